@@ -1,0 +1,1 @@
+"""Checkpoint I/O: atomic step folders, sharded safetensors with placements, any-topology reload."""

@@ -1,0 +1,302 @@
+"""YAML <-> Config through one strict cattrs converter, with errors that name the YAML path."""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+import yaml
+from cattrs.errors import (
+    AttributeValidationNote,
+    BaseValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationNote,
+)
+
+from nanocore.config.schema import (
+    Config,
+    DatasetSpec,
+    LoggerSpec,
+    ModelArgs,
+    OptimizerFactory,
+)
+from nanocore.errors import ConfigError
+from nanocore.registry import Registries, Registry
+
+log = logging.getLogger(__name__)
+
+# Top-level nanotron sections nanocore does not act on: accepted, listed in one warning.
+IGNORED_SECTIONS = ("lighteval", "profiler", "s3_upload", "metrics_logging", "kill_switch_path")
+
+
+class _Leaf(Exception):
+    """A problem at the current YAML path; the walker prefixes the path."""
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _strict(kind: type, expected: str):
+    def structure(value: Any, _: type) -> Any:
+        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if kind is float and isinstance(value, str):
+            try:  # YAML 1.1 reads "3e-4" as a string; accept numeric strings for floats only
+                return float(value)
+            except ValueError:
+                pass
+        if not ok:
+            raise _Leaf(f"expected {expected}, got {_describe(value)}")
+        return value
+
+    return structure
+
+
+def make_converter(registries: Registries | None) -> cattrs.Converter:
+    """The converter. With `registries`, plugin-owned sections are structured into the plugins' classes."""
+    conv = cattrs.Converter(forbid_extra_keys=True)
+    conv.register_structure_hook(int, _strict(int, "an integer"))
+    conv.register_structure_hook(float, _strict(float, "a number"))
+    conv.register_structure_hook(bool, _strict(bool, "true or false"))
+    conv.register_structure_hook(str, _strict(str, "a string"))
+    conv.register_structure_hook(Any, lambda v, _: v)
+
+    def plugin_args(registry: Registry | None, name: str, raw: dict, key: str) -> Any:
+        if registry is None:
+            return raw or None
+        try:
+            entry = registry.get(name)
+        except ConfigError as exc:
+            raise _Leaf(f"{key}: {exc}") from None
+        if entry.config_class is None:
+            if raw:
+                raise _Leaf(f"{registry.kind} {name!r} takes no options, got {', '.join(map(repr, raw))}")
+            return None
+        return conv.structure(raw, entry.config_class)
+
+    def mapping(value: Any, what: str) -> dict:
+        if not isinstance(value, dict):
+            raise _Leaf(f"expected {what}, got {_describe(value)}")
+        return dict(value)
+
+    # model.model_config: `model_type` (or nanotron's is_llama_config) selects the plugin's class.
+
+    def structure_model(value: Any, _: type) -> ModelArgs:
+        raw = mapping(value, "a mapping with model_config")
+        model_config = mapping(raw.get("model_config", {}), "a mapping (the model's config)")
+        model_type = model_config.pop("model_type", None)
+        if model_config.pop("is_llama_config", None) and model_type is None:
+            model_type = "llama"
+        model_type = model_type or "llama"
+        if registries is not None and model_type not in registries.model:
+            raise _Wrapped("model_config.model_type", registries.model.unknown_message(model_type))
+        raw["model_config"] = model_config
+        raw["model_type"] = model_type
+        entry = registries.model.get(model_type) if registries else None
+        return _structure_fields(conv, raw, ModelArgs, {"model_config": entry.config_class if entry else None})
+
+    conv.register_structure_hook(ModelArgs, structure_model)
+
+    def structure_optimizer_factory(value: Any, _: type) -> OptimizerFactory:
+        raw = mapping(value, "a mapping with name and the optimizer's arguments")
+        name = raw.pop("name", "adam_w")
+        if not isinstance(name, str):
+            raise _Wrapped("name", f"expected a string, got {_describe(name)}")
+        registry = registries.optimizer if registries else None
+        if registry is not None and name not in registry:
+            raise _Wrapped("name", registry.unknown_message(name))
+        canonical = registry.canonical(name) if registry else name
+        return OptimizerFactory(canonical, plugin_args(registry, canonical, raw, "name"))
+
+    conv.register_structure_hook(OptimizerFactory, structure_optimizer_factory)
+
+    def structure_dataset(value: Any, _: type) -> DatasetSpec:
+        raw = mapping(value, "a mapping with the dataset's arguments")
+        fmt = raw.pop("format", None)
+        if fmt is None:  # nanotron's shapes: infer the format from its keys
+            fmt = "hf" if "hf_dataset_or_datasets" in raw else "nanoset" if "dataset_folder" in raw else "dummy"
+        weight = raw.pop("weight", 1.0)
+        weight = _structure_at(conv, weight, float, "weight")
+        registry = registries.dataset_format if registries else None
+        if registry is not None and fmt not in registry:
+            raise _Wrapped("format", registry.unknown_message(fmt))
+        return DatasetSpec(fmt, plugin_args(registry, fmt, raw, "format"), weight)
+
+    conv.register_structure_hook(DatasetSpec, structure_dataset)
+
+    def structure_dataset_list(value: Any, _: type) -> list[DatasetSpec]:
+        items = [{"format": "dummy"}] if value is None else value if isinstance(value, list) else [value]
+        out, problems = [], []
+        for i, item in enumerate(items):
+            try:
+                out.append(structure_dataset(item, DatasetSpec))
+            except Exception as exc:
+                exc.__notes__ = [*getattr(exc, "__notes__", []), IterableValidationNote(f"@ index {i}", i, DatasetSpec)]
+                problems.append(exc)
+        if problems:
+            raise cattrs.errors.IterableValidationError("While structuring datasets", problems, list)
+        return out
+
+    conv.register_structure_hook_func(lambda t: t == list[DatasetSpec], structure_dataset_list)
+
+    def structure_logger(value: Any, _: type) -> LoggerSpec:
+        raw = {"name": value} if isinstance(value, str) else mapping(value, "a logger name or {name: ..., options}")
+        name = raw.pop("name", None)
+        if not isinstance(name, str):
+            raise _Leaf(f"expected a logger name, got {_describe(name)}")
+        registry = registries.logger if registries else None
+        if registry is not None and name not in registry:
+            raise _Leaf(registry.unknown_message(name))
+        return LoggerSpec(name, plugin_args(registry, name, raw, "name"))
+
+    conv.register_structure_hook(LoggerSpec, structure_logger)
+
+    # -- unstructuring: flatten plugin-owned sections back beside their selector key --------
+    def flat(obj: Any) -> dict:
+        return {} if obj is None else dict(conv.unstructure(obj))
+
+    base_model = cattrs.gen.make_dict_unstructure_fn(ModelArgs, conv)
+
+    def unstructure_model(m: ModelArgs) -> dict:
+        d = base_model(m)
+        d.pop("model_type")
+        d["model_config"] = {"model_type": m.model_type, **flat(m.model_config)}
+        return d
+
+    conv.register_unstructure_hook(ModelArgs, unstructure_model)
+    conv.register_unstructure_hook(OptimizerFactory, lambda o: {"name": o.name, **flat(o.args)})
+    conv.register_unstructure_hook(
+        DatasetSpec, lambda d: {"format": d.format, **({"weight": d.weight} if d.weight != 1.0 else {}), **flat(d.args)}
+    )
+    conv.register_unstructure_hook(LoggerSpec, lambda s: {"name": s.name, **flat(s.options)} if s.options else s.name)
+    return conv
+
+
+class _Wrapped(Exception):
+    """A problem at a sub-key of the current path."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
+def _structure_at(conv: cattrs.Converter, value: Any, cls: type, key: str) -> Any:
+    try:
+        return conv.structure(value, cls)
+    except _Leaf as exc:
+        raise _Wrapped(key, str(exc)) from None
+
+
+def _structure_fields(conv: cattrs.Converter, raw: dict, cls: type, override: dict[str, type | None]) -> Any:
+    """Structure an attrs class field by field, so that `override` can give a field its plugin class."""
+    fields = {f.name: f for f in attrs.fields(cls)}
+    extra = set(raw) - set(fields)
+    problems: list[BaseException] = []
+    kwargs: dict[str, Any] = {}
+    if extra:
+        problems.append(ForbiddenExtraKeysError("", cls, extra))
+    for name, value in raw.items():
+        if name not in fields:
+            continue
+        target = override.get(name, fields[name].type) if name in override else fields[name].type
+        try:
+            kwargs[name] = value if target is None else conv.structure(value, target)
+        except Exception as exc:
+            exc.__notes__ = [*getattr(exc, "__notes__", []), AttributeValidationNote(f"@ {name}", name, target)]
+            problems.append(exc)
+    if problems:
+        raise cattrs.errors.ClassValidationError(f"While structuring {cls.__name__}", problems, cls)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        missing = [f.name for f in fields.values() if f.default is attrs.NOTHING and f.name not in kwargs]
+        raise _Leaf(f"missing required key(s): {', '.join(missing)}" if missing else str(exc)) from None
+
+
+def _path_join(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def collect_problems(exc: BaseException, path: str = "") -> list[str]:
+    """Turn a (nested) cattrs validation error into 'yaml.path: message' lines."""
+    out: list[str] = []
+    if isinstance(exc, BaseValidationError):
+        for sub in exc.exceptions:
+            sub_path = path
+            for note in getattr(sub, "__notes__", []):
+                if isinstance(note, AttributeValidationNote):
+                    sub_path = _path_join(path, note.name)
+                elif isinstance(note, IterableValidationNote):
+                    sub_path = _path_join(path, note.index)
+            out.extend(collect_problems(sub, sub_path))
+    elif isinstance(exc, ForbiddenExtraKeysError):
+        known = [f.name for f in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
+        for key in sorted(exc.extra_fields):
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(known)}"
+            out.append(f"{path or '<top level>'}: unknown key {key!r}{hint}")
+    elif isinstance(exc, _Wrapped):
+        out.append(f"{_path_join(path, exc.key)}: {exc}")
+    elif isinstance(exc, ConfigError):
+        out.extend(f"{path}: {p}" if path else p for p in exc.problems)
+    elif isinstance(exc, _Leaf):
+        out.append(f"{path or '<top level>'}: {exc}")
+    elif isinstance(exc, KeyError):
+        out.append(f"{path or '<top level>'}: required key is missing")
+    elif isinstance(exc, (TypeError, ValueError)):
+        out.append(f"{path or '<top level>'}: {exc}")
+    else:
+        raise exc
+    return out
+
+
+def structure_config(raw: Any, registries: Registries | None) -> Config:
+    """Raw YAML data -> Config; every problem found is reported at once as a ConfigError."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"<top level>: expected a mapping of config sections, got {_describe(raw)}")
+    raw = dict(raw)
+    ignored = [k for k in IGNORED_SECTIONS if k in raw]
+    for key in ignored:
+        raw.pop(key)
+    if ignored:
+        log.warning("config sections not used by nanocore (ignored): %s", ", ".join(ignored))
+    conv = make_converter(registries)
+    try:
+        return conv.structure(raw, Config)
+    except Exception as exc:
+        problems = collect_problems(exc)
+        raise ConfigError(problems) from None
+
+
+def unstructure_config(config: Config) -> dict:
+    return make_converter(None).unstructure(config)
+
+
+def read_yaml(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+
+
+def dump_yaml(config: Config) -> str:
+    return yaml.safe_dump(unstructure_config(config), sort_keys=False)

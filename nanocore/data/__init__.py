@@ -1,0 +1,1 @@
+"""Core data plumbing: the interfaces dataset/tokenizer plugins implement, mixtures and stages."""

@@ -1,0 +1,89 @@
+"""The hooks a nanocore plugin may implement.
+
+Registration hooks receive a typed `Registry` and call `registry.register(...)`; they return nothing.
+Event hooks let a plugin observe a run without owning any registry name.
+All hooks are called with keyword arguments, so an implementation may accept any subset of them.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "nanocore"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class NanocoreSpecs:
+    # -- registration ---------------------------------------------------------------
+    @hookspec
+    def register_models(self, registry):
+        """Register model types: `registry.register(name, build, config_class=...)`.
+
+        `build(model_args)` returns an `nn.Module` (built on the current default device, usually meta)
+        that follows `nanocore.model_api.ModelProtocol`.
+        """
+
+    @hookspec
+    def register_parallel_engines(self, registry):
+        """Register parallel engines (`parallelism.engine`): `factory(config, env) -> Engine`."""
+
+    @hookspec
+    def register_pipeline_engines(self, registry):
+        """Register pipeline schedules (`parallelism.pp_engine`): `factory(config) -> PipelineSchedule`."""
+
+    @hookspec
+    def register_tp_modes(self, registry):
+        """Register tensor-parallel communication modes (`parallelism.tp_mode`)."""
+
+    @hookspec
+    def register_optimizers(self, registry):
+        """Register optimizers (`optimizer.optimizer_factory.name`): `factory(param_groups, args) -> Optimizer`."""
+
+    @hookspec
+    def register_lr_schedulers(self, registry):
+        """Register LR decay shapes (`lr_decay_style`): `factory(progress) -> factor`, both in [0, 1]."""
+
+    @hookspec
+    def register_zero_stages(self, registry):
+        """Register ZeRO stages by number as a string (`optimizer.zero_stage`): '0', '1', ..."""
+
+    @hookspec
+    def register_dataset_formats(self, registry):
+        """Register dataset formats (`data_stages[].data.dataset.format`)."""
+
+    @hookspec
+    def register_tokenizers(self, registry):
+        """Register tokenizer kinds (`tokenizer.tokenizer_type`, or a name in `tokenizer_name_or_path`)."""
+
+    @hookspec
+    def register_loggers(self, registry):
+        """Register metric loggers (`logging.loggers`)."""
+
+    @hookspec
+    def register_commands(self, registry):
+        """Register `nanocore <command>` subcommands: `registry.register(name, run, add_arguments=fn)`.
+
+        `add_arguments(parser)` adds argparse arguments; `run(args) -> int` is the exit code.
+        """
+
+    # -- events ---------------------------------------------------------------------
+    @hookspec
+    def on_train_start(self, config, trainer):
+        """Called on every rank once the model, optimizer and data are ready, before step 1."""
+
+    @hookspec
+    def on_step_end(self, step, metrics, trainer):
+        """Called on every rank after each optimizer step with that step's metrics dict."""
+
+    @hookspec
+    def on_validation_end(self, step, metrics, trainer):
+        """Called on every rank after a validation pass."""
+
+    @hookspec
+    def on_checkpoint_saved(self, step, path, trainer):
+        """Called on every rank after a checkpoint is complete on disk."""
+
+    @hookspec
+    def on_train_end(self, step, trainer):
+        """Called on every rank when training finishes (normally or not)."""

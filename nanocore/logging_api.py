@@ -1,0 +1,31 @@
+"""Interface for logger plugins: `factory(options, ctx: LoggerContext) -> Logger`.
+
+Loggers are created on the logging rank only (global rank 0). Metric names follow GUIDE §2:
+`step, lm_loss, lr, grad_norm, tokens_per_sec, tokens_per_sec_per_gpu, consumed_tokens, mfu`,
+and `val_lm_loss` on validation rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+
+@attrs.define
+class LoggerContext:
+    log_dir: Path
+    project: str
+    run_name: str
+    config: Any  # the whole Config
+    config_dict: dict  # the config as plain data (what wandb/tensorboard record)
+    start_step: int  # last completed step before this launch (0 for a fresh run)
+    total_steps: int
+
+
+class Logger(Protocol):
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """One row of metrics for `step` (training rows, or validation rows with val_lm_loss)."""
+
+    def close(self) -> None: ...

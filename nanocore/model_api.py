@@ -1,0 +1,82 @@
+"""What a model plugin provides. Models are written single-device style; engines parallelise them.
+
+A model plugin registers `build(model_args: ModelArgs, *, vocab_multiple: int = 1) -> nn.Module`
+with its attrs config class; the vocabulary is padded up to a multiple of `vocab_multiple`.
+`build` is called under `torch.device("meta")`; the engine materialises the parameters it keeps
+and fills each through `init_parameter` as a *full* tensor before slicing it, so any topology
+starts from the same weights (see `nanocore.init`).
+
+The module must provide:
+
+- `forward(input_ids: LongTensor[b, s], kv_cache: KVCache | None = None) -> logits[b, s, vocab]`.
+- `pipeline_blocks() -> list[list[str]]`: ordered blocks; each block is a list of submodule names
+  applied in turn (e.g. `[["model.embed_tokens"], ["model.layers.0"], ..., ["model.norm", "lm_head"]]`).
+  Applied in order, the blocks compute the logits: the first takes `input_ids`, every module maps
+  one tensor to one tensor, the last returns logits. `forward` must equal this chain. Blocks compute positions from shapes (sequence dim = 1), so a pipeline stage needs no
+  extra inputs. Decoder layers should be their own blocks (they are the unit of recomputation).
+- `tp_plan: dict[str, str | dict]`: fnmatch pattern on module names -> TP style. Styles:
+  `colwise` (nn.Linear split on out_features), `rowwise` (split on in_features, output reduced),
+  `colwise_kv` (like colwise, but heads fewer than tp are replicated; give `{"style": "colwise_kv",
+  "head_dim": d}`), `vocab_embedding` (nn.Embedding split on rows), `lm_head` (nn.Linear split on
+  rows of the vocabulary; its output stays vocab-sharded into the loss). Model code must derive head
+  counts from tensor shapes (`view(b, s, -1, head_dim)`), never from the config, so that TP works.
+- `init_parameter(name: str, tensor: Tensor, generator: torch.Generator) -> None`: fill the full
+  tensor for parameter `name` in place using only `generator` for randomness.
+- `flops_per_token(sequence_length: int) -> float`: training FLOPs (forward + backward) per token.
+- `vocab_size: int` (the padded size the embedding has), `true_vocab_size: int` (the tokenizer's;
+  logits at and beyond it are padding the engine masks out), `tied_parameters: list[tuple[str, str]]`
+  (names of parameters that share storage, e.g. `("model.embed_tokens.weight", "lm_head.weight")`).
+- optionally `recompute_blocks: set[str]`-compatible behaviour is the engine's business, not the model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    tp_plan: dict[str, Any]
+    vocab_size: int
+    tied_parameters: list[tuple[str, str]]
+
+    def pipeline_blocks(self) -> list[list[str]]: ...
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None: ...
+
+    def flops_per_token(self, sequence_length: int) -> float: ...
+
+
+class KVCache:
+    """Per-layer key/value cache for generation. Attention calls `update(layer, k, v)`.
+
+    k and v are [batch, kv_heads, new_tokens, head_dim]; `update` appends and returns the whole
+    cached keys and values. `length` is the number of cached positions (the next token's position).
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.length = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.keys:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def advance(self, n: int) -> None:
+        """Called by the model once per forward, after every layer has updated."""
+        self.length += n
+
+
+def check_model(model: nn.Module, model_type: str) -> None:
+    missing = [a for a in ("pipeline_blocks", "tp_plan", "init_parameter", "flops_per_token", "vocab_size") if not hasattr(model, a)]
+    if missing:
+        from nanocore.errors import PluginError
+
+        raise PluginError(f"model type {model_type!r} built a module without {', '.join(missing)} (see nanocore.model_api)")

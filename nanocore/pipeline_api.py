@@ -14,6 +14,8 @@ from typing import Literal, Protocol
 
 import attrs
 
+from nanocore.errors import NanocoreError
+
 
 @attrs.frozen
 class Action:
@@ -27,11 +29,21 @@ class Action:
         return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
+class ScheduleError(NanocoreError):
+    """A pipeline schedule cannot run: a bad layout, or an action list that is incomplete or deadlocks."""
+
+
 class PipelineSchedule(Protocol):
+    """Turns a pipeline layout into each rank's ordered action list.
+
+    A schedule may also define `theoretical_bubble(pp_size, num_microbatches, num_chunks) -> float | None`
+    and a `bubble_formula: str`; `nanocore pipeline-sim` prints them next to the simulated bubble.
+    """
+
     name: str
 
     def actions(self, pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int) -> list[Action]:
         """Every F and B this rank runs for one optimizer step, in order."""
 
     def check(self, pp_size: int, num_microbatches: int, num_chunks: int) -> list[str]:
-        """Problems (as 'key: message' for the parallelism/tokens sections) with this layout; [] if fine."""
+        """Problems with this layout as 'yaml.path: message' (e.g. 'tokens.batch_accumulation_per_replica: ...'); [] if fine."""

@@ -1,0 +1,226 @@
+"""Pipeline schedules as data: completeness, bubble vs theory, memory, deadlocks, config checks, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+
+import pytest
+from nanocore_plugins.schedules import plugin as schedules_plugin
+from nanocore_plugins.schedules.afab import AllForwardAllBackwardSchedule
+from nanocore_plugins.schedules.interleaved import InterleavedOneFOneBSchedule
+from nanocore_plugins.schedules.one_f_one_b import OneFOneBSchedule
+
+from nanocore.config.schema import Config, ModelArgs, ParallelismArgs, TokensArgs
+from nanocore.pipeline_api import Action, ScheduleError
+from nanocore.pipeline_sim import render_timeline, simulate
+from nanocore.plugins import PluginSet
+
+AFAB, ONE_F_ONE_B, INTERLEAVED = AllForwardAllBackwardSchedule(), OneFOneBSchedule(), InterleavedOneFOneBSchedule()
+
+LAYOUTS = [  # (schedule, pp, microbatches, virtual stages)
+    *[(s, p, m, 1) for s in (AFAB, ONE_F_ONE_B) for p in (1, 2, 4) for m in (1, 3, 4, 8)],
+    *[(INTERLEAVED, p, m, v) for p in (1, 2, 4) for m in (p, 2 * p, 3 * p) for v in (2, 3)],
+]
+
+
+def _registries():
+    plugins = PluginSet()
+    plugins.register_object(schedules_plugin, "schedules")
+    return plugins.registries
+
+
+def _config(pp: int, microbatches: int, virtual_stages: int, engine: str = "1f1b") -> Config:
+    return Config(
+        model=ModelArgs(model_config=None),
+        parallelism=ParallelismArgs(pp=pp, pp_engine=engine, pp_virtual_stages=virtual_stages),
+        tokens=TokensArgs(batch_accumulation_per_replica=microbatches),
+    )
+
+
+@pytest.mark.parametrize("schedule,p,m,v", LAYOUTS, ids=lambda x: getattr(x, "name", str(x)))
+def test_every_rank_runs_each_forward_and_backward_once_forward_first(schedule, p, m, v):
+    for rank in range(p):
+        actions = schedule.actions(p, rank, m, v)
+        expected = {Action(k, c, mb) for k in "FB" for c in range(v) for mb in range(m)}
+        assert len(actions) == len(expected) and set(actions) == expected
+        assert all(
+            actions.index(Action("F", c, mb)) < actions.index(Action("B", c, mb)) for c in range(v) for mb in range(m)
+        )
+
+
+def test_afab_runs_backwards_in_forward_order_like_nanotron():
+    assert [str(a) for a in AFAB.actions(2, 0, 3, 1)] == ["F0", "F1", "F2", "B0", "B1", "B2"]
+
+
+def test_1f1b_has_warmup_steady_and_cooldown_phases():
+    assert [str(a) for a in ONE_F_ONE_B.actions(4, 1, 4, 1)] == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
+    assert [str(a) for a in ONE_F_ONE_B.actions(1, 0, 2, 1)] == ["F0", "B0", "F1", "B1"]
+
+
+def test_interleaved_walks_chunks_in_groups_of_pp_microbatches():
+    # pp=2, v=2, rank 1: warmup (v-1)*pp = 2 forwards of chunk 0, then chunk 1 of the same group
+    got = [str(a) for a in INTERLEAVED.actions(2, 1, 4, 2)]
+    assert got[:4] == ["F0", "F1", "F0.1", "B0.1"]
+    # with one rank, chunk c is virtual stage c: F of chunk 0 then chunk 1, backwards in reverse
+    assert [str(a) for a in INTERLEAVED.actions(1, 0, 1, 2)] == ["F0", "F0.1", "B0.1", "B0"]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 4), (4, 8)])
+@pytest.mark.parametrize("schedule", [AFAB, ONE_F_ONE_B], ids=lambda s: s.name)
+def test_simulated_bubble_of_afab_and_1f1b_is_p_minus_1_over_m_plus_p_minus_1(schedule, p, m):
+    result = simulate(schedule, p, m, 1)
+    assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-9)
+    assert result.makespan == pytest.approx((m + p - 1) * 3.0)
+    assert result.busy == [pytest.approx(3.0 * m)] * p
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 4), (4, 8)])
+def test_simulated_bubble_of_interleaved_shrinks_by_the_virtual_stages(p, m):
+    result = simulate(INTERLEAVED, p, m, 2)
+    assert result.bubble_fraction == pytest.approx((p - 1) / (2 * m + p - 1), abs=1e-9)
+    assert result.busy == [pytest.approx(3.0 * m)] * p  # chunks take 1/v of a rank's time each
+
+
+@pytest.mark.parametrize(
+    "schedule,v", [(AFAB, 1), (ONE_F_ONE_B, 1), (INTERLEAVED, 3)], ids=["afab", "1f1b", "interleaved"]
+)
+def test_a_single_rank_has_no_bubble(schedule, v):
+    assert simulate(schedule, 1, 5, v).bubble_fraction == pytest.approx(0.0, abs=1e-12)
+
+
+def test_bubble_matches_theory_at_large_scale():
+    result = simulate(ONE_F_ONE_B, 64, 512, 1)
+    assert result.bubble_fraction == pytest.approx(63 / (512 + 63), abs=1e-9)
+    result = simulate(INTERLEAVED, 32, 128, 4)
+    assert result.bubble_fraction == pytest.approx(31 / (4 * 128 + 31), abs=1e-9)
+
+
+def test_peak_in_flight_activations_per_schedule():
+    p, m = 4, 8
+    assert simulate(AFAB, p, m, 1).peak_in_flight == [m] * p
+    assert simulate(ONE_F_ONE_B, p, m, 1).peak_in_flight == [4, 3, 2, 1]
+    assert simulate(ONE_F_ONE_B, p, 2, 1).peak_in_flight == [2, 2, 2, 1]  # fewer microbatches than ranks
+    v = 2
+    result = simulate(INTERLEAVED, p, m, v)
+    warmup = [min((p - r - 1) * 2 + (v - 1) * p, m * v) for r in range(p)]
+    assert result.peak_in_flight == [min(w + 1, m * v) for w in warmup] == [11, 9, 7, 5]
+    assert result.peak_in_flight_microbatches == [5.5, 4.5, 3.5, 2.5]
+
+
+def test_a_schedule_with_a_cross_rank_cycle_is_reported_as_a_deadlock():
+    # rank 0 waits for rank 1's B0 before it sends F1; rank 1 insists on F1 before F0
+    lists = [
+        [Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)],
+        [Action("F", 0, 1), Action("F", 0, 0), Action("B", 0, 0), Action("B", 0, 1)],
+    ]
+    with pytest.raises(ScheduleError, match="deadlock") as info:
+        simulate(lists, 2, 2, 1)
+    message = str(info.value)
+    assert "rank 0 is stuck at action #1 B0" in message
+    assert "rank 1 is stuck at action #0 F1" in message
+
+
+def test_a_backward_before_its_own_forward_is_reported_as_a_deadlock():
+    lists = [[Action("F", 0, 0), Action("B", 0, 0)], [Action("B", 0, 0), Action("F", 0, 0)]]
+    with pytest.raises(ScheduleError, match="rank 1 is stuck at action #0 B0.*comes later in its own list"):
+        simulate(lists, 2, 1, 1)
+
+
+def test_incomplete_or_repeated_action_lists_are_rejected_by_name():
+    with pytest.raises(ScheduleError, match="rank 1 never runs B0"):
+        simulate([[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 0, 0)]], 2, 1, 1)
+    with pytest.raises(ScheduleError, match="rank 0 runs F0 .* twice"):
+        simulate([[Action("F", 0, 0), Action("F", 0, 0), Action("B", 0, 0)]], 1, 1, 1)
+
+
+def test_timeline_picture_shows_forwards_backwards_and_idle_time():
+    picture = render_timeline(simulate(ONE_F_ONE_B, 2, 2, 1)).splitlines()
+    assert picture[:2] == ["rank 0 |ab..AA.BB|", "rank 1 |.aAAbBB..|"]
+
+
+def test_registered_schedules_check_the_config_layout():
+    registries = _registries()
+    assert set(registries.pp_engine.names()) == {"afab", "1f1b", "interleaved"}
+
+    def check(engine, pp, m, v):
+        return registries.pp_engine.get(engine).extras["check"](_config(pp, m, v, engine), None)
+
+    assert check("interleaved", 4, 6, 2) == [
+        "tokens.batch_accumulation_per_replica: the interleaved schedule needs a multiple of pp (4) microbatches, got 6"
+    ]
+    assert check("interleaved", 2, 4, 1)[0].startswith(
+        "parallelism.pp_virtual_stages: the interleaved schedule needs at least 2 virtual stages"
+    )
+    for engine in ("afab", "1f1b"):
+        assert check(engine, 2, 4, 2)[0].startswith(
+            "parallelism.pp_virtual_stages: afab/1f1b run one chunk per rank; use pp_engine: interleaved for "
+            "pp_virtual_stages=2"
+        )
+        assert check(engine, 4, 3, 1) == []
+    assert check("interleaved", 4, 8, 2) == []
+    schedule = registries.pp_engine.get("interleaved").factory(_config(4, 8, 2, "interleaved"))
+    assert schedule.name == "interleaved"
+    with pytest.raises(ScheduleError, match="multiple of pp"):
+        schedule.actions(4, 0, 6, 2)
+
+
+def _run_cli(monkeypatch, *argv, local_plugin=None):
+    # only this plugin (and an optional local one) is loaded, whatever else is installed
+    others = [ep.name for ep in importlib.metadata.entry_points(group="nanocore") if ep.name != "schedules"]
+    monkeypatch.setenv("NANOCORE_DISABLE_PLUGINS", ",".join(others))
+    if local_plugin is not None:
+        monkeypatch.setenv("NANOCORE_PLUGINS", str(local_plugin))
+    else:
+        monkeypatch.delenv("NANOCORE_PLUGINS", raising=False)
+    entry = _registries().command.get("pipeline-sim")
+    parser = argparse.ArgumentParser()
+    entry.extras["add_arguments"](parser)
+    return entry.factory(parser.parse_args(list(argv)))
+
+
+def test_pipeline_sim_command_prints_bubble_against_theory(monkeypatch, capsys):
+    assert (
+        _run_cli(
+            monkeypatch,
+            "--engine",
+            "interleaved",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--virtual-stages",
+            "2",
+            "--timeline",
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "bubble fraction 0.157895  (theory (p-1)/(v*m+p-1) = 0.157895)" in out
+    assert "rank 0: 5.5 microbatches (11 chunk activations)" in out
+    assert "rank 3 |...abcdaAAbBB" in out
+
+
+def test_pipeline_sim_command_runs_a_third_party_schedule(monkeypatch, capsys, tmp_path):
+    plugin_file = tmp_path / "reverse_gpipe.py"
+    plugin_file.write_text(
+        "from nanocore import hookimpl\n"
+        "from nanocore.pipeline_api import Action\n"
+        "class Reverse:\n"
+        "    name = 'reverse_gpipe'\n"
+        "    def check(self, pp_size, num_microbatches, num_chunks):\n"
+        "        return []\n"
+        "    def actions(self, pp_size, pp_rank, num_microbatches, num_chunks):\n"
+        "        mbs = range(num_microbatches)\n"
+        "        return [Action('F', 0, m) for m in mbs] + [Action('B', 0, m) for m in reversed(mbs)]\n"
+        "@hookimpl\n"
+        "def register_pipeline_engines(registry):\n"
+        "    registry.register('reverse_gpipe', lambda config: Reverse())\n"
+    )
+    assert (
+        _run_cli(monkeypatch, "--engine", "reverse_gpipe", "--pp", "2", "--microbatches", "2", local_plugin=plugin_file)
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "bubble fraction 0.333333\n" in out  # no theory printed for a schedule that has none
+    assert "rank 0: 2 microbatches" in out

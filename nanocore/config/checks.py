@@ -75,6 +75,8 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
         )
     model = registries.model.get(config.model.model_type)
     p += _plugin_checks("model.model_config", config.model.model_config, model, config)
+    if engine is not None and "check_model" in engine.extras and not p:
+        p += engine.extras["check_model"](config, model)
     optimizer = registries.optimizer.get(opt.optimizer_factory.name)
     p += _plugin_checks("optimizer.optimizer_factory", opt.optimizer_factory.args, optimizer, config)
 

@@ -184,7 +184,10 @@ class LoggingArgs:
     """Where metrics go."""
 
     log_dir: str = doc("metrics.jsonl and TensorBoard files go here.", default="logs")
-    loggers: list[LoggerSpec] = doc("Logger plugins (names or {name, ...options}).", factory=list)
+    loggers: list[LoggerSpec] = doc(
+        "Logger plugins (names or {name, ...options}); [] logs nothing.",
+        factory=lambda: [LoggerSpec("console"), LoggerSpec("jsonl"), LoggerSpec("tensorboard")],
+    )
     log_level: str = doc("Python logging level on rank 0.", default="info")
     log_level_replica: str = doc("Python logging level on other ranks.", default="warning")
     iteration_step_info_interval: int = doc("Log metrics every N steps.", default=1)

@@ -57,7 +57,8 @@ class Rotary:
     """
 
     def __init__(self, config: LlamaConfig):
-        self.inv_freq = rope_inverse_frequencies(config)
+        with torch.device("cpu"):  # the model may be built under torch.device("meta")
+            self.inv_freq = rope_inverse_frequencies(config)
         self.min_length = config.max_position_embeddings
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -1,0 +1,3 @@
+from nanocore.cli import main
+
+main()

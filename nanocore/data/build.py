@@ -1,0 +1,48 @@
+"""Turn the config's tokenizer and dataset sections into objects, through the registries."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from nanocore.config.schema import DatasetSpec, TokenizerArgs
+from nanocore.data.api import DatasetContext, Tokenizer
+from nanocore.data.mixture import Mixture
+from nanocore.errors import ConfigError, DataError
+from nanocore.registry import Registries
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NANOCORE_CACHE", "~/.cache/nanocore")).expanduser()
+
+
+def build_tokenizer(args: TokenizerArgs, registries: Registries) -> Tokenizer | None:
+    """`tokenizer_type` if given; else a registered name (`byte`); else a local path read by `hf`."""
+    name = args.tokenizer_name_or_path
+    if name is None:
+        return None
+    kind = args.tokenizer_type or (name if name in registries.tokenizer else "hf")
+    if kind not in registries.tokenizer:
+        raise ConfigError(f"tokenizer.tokenizer_name_or_path: {registries.tokenizer.unknown_message(kind)}")
+    return registries.tokenizer.get(kind).factory(name)
+
+
+def check_vocab(tokenizer: Tokenizer | None, model_vocab_size: int) -> None:
+    if tokenizer is not None and tokenizer.vocab_size > model_vocab_size:
+        raise DataError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model_vocab_size}: "
+            f"set model.model_config.vocab_size to at least {tokenizer.vocab_size}"
+        )
+
+
+def build_mixture(specs: list[DatasetSpec], ctx: DatasetContext, registries: Registries, seed: int) -> Mixture:
+    """Each spec's datasets, weighted by spec weight x the format's own relative weights."""
+    parts = []
+    total = sum(spec.weight for spec in specs)
+    for spec in specs:
+        produced = registries.dataset_format.get(spec.format).factory(spec.args, ctx)
+        if not produced:
+            raise DataError(f"dataset format {spec.format!r} produced no dataset")
+        inner = sum(w for _, w in produced)
+        parts += [(ds, spec.weight / total * w / inner) for ds, w in produced]
+    return Mixture(parts, seed)

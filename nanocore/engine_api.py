@@ -1,0 +1,100 @@
+"""What a parallel-engine plugin provides to the trainer.
+
+The trainer is generic: it owns the config, data, LR schedule, loop, logging and checkpoint folders.
+An engine (registry kind `parallel_engine`, `parallelism.engine`, built-in: `3d`) owns processes,
+devices, the model's placement across them, forward/backward, gradient reduction and the optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
+from nanocore.registry import Entry
+
+
+@attrs.frozen
+class StepOutput:
+    """Result of one optimizer step, identical on every rank."""
+
+    loss: float  # mean token loss over the global batch
+    grad_norm: float | None  # global gradient norm before clipping
+    skipped: bool = False  # True when the loss was not finite and no update was made
+
+
+class Engine(Protocol):
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+    is_main: bool  # global rank 0: prints, logs and finalises checkpoints
+
+    def setup_model(self, entry: Entry, model_args: Any, seed: int) -> None:
+        """Build the model on meta, parallelise it and materialise this rank's part of it."""
+
+    def setup_optimizer(self, optimizer: Entry, zero: Entry, optimizer_args: Any) -> None:
+        """Create the optimizer over this rank's parameters (ZeRO stage `zero`)."""
+
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepOutput:
+        """Forward + backward over the micro-batches, reduce gradients, clip, and step at `lr`."""
+
+    def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
+        """Mean token loss of the micro-batches (no gradients); identical on every rank."""
+
+    def model_shards(self) -> list[ShardedTensor]:
+        """Pieces of parameters this rank writes to a checkpoint (each piece written by one rank)."""
+
+    def optimizer_shards(self) -> list[ShardedTensor]:
+        """Pieces of optimizer state this rank writes."""
+
+    def load_model(self, reader: ShardReader) -> None: ...
+
+    def load_optimizer(self, reader: ShardReader) -> None: ...
+
+    def flops_per_token(self, sequence_length: int) -> float: ...
+
+    def barrier(self) -> None: ...
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+
+    def all_ranks_ok(self, ok: bool) -> bool:
+        """True on every rank iff `ok` is True on every rank (for coordinated errors)."""
+
+    def shutdown(self) -> None: ...
+
+
+@attrs.define(eq=False)
+class TrainableParam:
+    """One local parameter as the optimizer (and a ZeRO stage plugin) sees it."""
+
+    name: str  # canonical name: the same on every rank and in checkpoints
+    param: torch.nn.Parameter  # the model's parameter (possibly bfloat16)
+    grad: torch.Tensor  # its reduced gradient (fp32 when accumulate_grad_in_fp32)
+    placement: Any  # nanocore.sharding.Placement of `param`
+    writer: bool  # True on exactly one rank per replica group of this piece (before ZeRO sharding)
+    weight_decay: bool  # False for norms and biases
+
+
+class ZeroOptimizer(Protocol):
+    """What a ZeRO-stage plugin builds: `factory(params, build_optimizer, dp) -> ZeroOptimizer`.
+
+    `build_optimizer(param_groups)` makes the configured torch optimizer; `dp` has `group`, `rank`, `size`.
+    """
+
+    def step(self, lr: float) -> None:
+        """Update the parameters from their reduced gradients (identical on every DP rank afterwards)."""
+
+    def state_shards(self) -> list[ShardedTensor]: ...
+
+    def load_state(self, reader: ShardReader) -> None: ...
+
+    def refresh_master_weights(self) -> None:
+        """Re-read fp32 master weights from the (just loaded) model parameters."""
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (and master weights) held by this rank."""

@@ -1,0 +1,152 @@
+"""From a single-device model plugin to this rank's part of the model.
+
+Order (fixed, like torchtitan's): build on meta -> tensor parallel (swap modules by the TP plan)
+-> pipeline cut (keep this rank's chunks) -> materialise (each parameter initialised as the *full*
+tensor from a generator seeded by (seed, name), then sliced by its Placement) -> re-tie.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from nanocore.model_api import check_model
+from nanocore.registry import Entry
+from nanocore.sharding import Placement, get_placement, set_placement
+
+
+@attrs.define
+class LocalModel:
+    """This rank's model: the (pruned) module, its chunks of blocks, and parameter bookkeeping."""
+
+    module: nn.Module
+    chunks: list[list[list[str]]]  # local chunk c -> blocks -> module names
+    chunk_ids: list[int]  # virtual stage of each local chunk
+    num_virtual_stages: int
+    true_vocab_size: int
+    vocab_size: int
+    canonical: dict[str, str]  # local parameter name -> name used for init and checkpoints
+    replica_of_tied: set[str]  # local names that are copies of a tied parameter owned by another stage
+
+
+def param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def partition(blocks: list[list[str]], parts: int) -> list[list[list[str]]]:
+    """Cut blocks into `parts` contiguous non-empty chunks, minimising the largest chunk's cost.
+
+    Decoder layers cost 1; the first and last blocks (embedding, head) cost 1/2 each.
+    """
+    n = len(blocks)
+    if n < parts:
+        raise ValueError(f"{n} pipeline blocks cannot fill {parts} chunks")
+    cost = [1.0] * n
+    if n > 2:
+        cost[0] = cost[-1] = 0.5
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: smallest possible largest-chunk cost when the first i blocks form k chunks
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i] - 1e-9:
+                    best[k][i], cut[k][i] = value, j
+    bounds, i = [], n
+    for k in range(parts, 0, -1):
+        bounds.append((cut[k][i], i))
+        i = cut[k][i]
+    return [blocks[a:b] for a, b in reversed(bounds)]
+
+
+def build_local_model(
+    entry: Entry,
+    model_args: Any,
+    *,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    pp_size: int,
+    pp_rank: int,
+    virtual_stages: int,
+    vocab_multiple: int,
+    parallelize_tp: Any = None,
+) -> LocalModel:
+    with torch.device("meta"):
+        model = entry.factory(model_args, vocab_multiple=vocab_multiple)
+    check_model(model, entry.name)
+    blocks = model.pipeline_blocks()
+    tied = list(getattr(model, "tied_parameters", []))
+    if parallelize_tp is not None:
+        parallelize_tp(model)
+
+    all_chunks = partition(blocks, pp_size * virtual_stages)
+    chunk_ids = [c * pp_size + pp_rank for c in range(virtual_stages)]
+    chunks = [all_chunks[i] for i in chunk_ids]
+    keep = {name for chunk in chunks for block in chunk for name in block}
+    for chunk in all_chunks:
+        for block in chunk:
+            for name in block:
+                if name not in keep:
+                    model.set_submodule(name, nn.Identity())
+
+    # Canonical names: a tied parameter is initialised and saved under its first name everywhere.
+    local = dict(model.named_parameters())
+    canonical = {name: name for name in local}
+    replica_of_tied: set[str] = set()
+    for first, second in tied:
+        if second in local:
+            canonical[second] = first
+            if first not in local:
+                replica_of_tied.add(second)
+
+    placements = {name: get_placement(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    extras = {name: {k: v for k, v in vars(p).items()} for name, p in model.named_parameters(remove_duplicate=False)}
+    model.to_empty(device=device)
+    for first, second in tied:  # to_empty replaces each module's parameters separately
+        if first in local and second in local:
+            model.get_submodule(second.rsplit(".", 1)[0]).weight = model.get_parameter(first)
+    _materialise(model, model, seed, placements, extras, canonical, dtype)
+    return LocalModel(
+        module=model,
+        chunks=chunks,
+        chunk_ids=chunk_ids,
+        num_virtual_stages=pp_size * virtual_stages,
+        true_vocab_size=int(getattr(model, "true_vocab_size", model.vocab_size)),
+        vocab_size=int(model.vocab_size),
+        canonical=canonical,
+        replica_of_tied=replica_of_tied,
+    )
+
+
+@torch.no_grad()
+def _materialise(
+    model: nn.Module,
+    root: nn.Module,
+    seed: int,
+    placements: dict[str, Placement],
+    extras: dict[str, dict],
+    canonical: dict[str, str],
+    dtype: torch.dtype,
+) -> None:
+    for name, param in model.named_parameters(remove_duplicate=False):
+        for key, value in extras.get(name, {}).items():
+            setattr(param, key, value)  # attributes set by parallelisation (placements, grad groups)
+        set_placement(param, placements[name])
+    for name, param in model.named_parameters():
+        placement = placements[name]
+        init_name = canonical[name]
+        full = torch.empty(placement.full_shape, dtype=torch.float32)
+        generator = torch.Generator().manual_seed(param_seed(seed, init_name))
+        root.init_parameter(init_name, full, generator)
+        param.data = full[placement.slices(tuple(param.shape))].to(device=param.device, dtype=dtype).contiguous()

@@ -1,0 +1,114 @@
+"""The process grid: TP innermost (ranks of one node), then PP, then DP.
+
+global rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank
+
+A `ParallelContext` is created once by the engine and passed explicitly; there is no global.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from itertools import product
+
+import torch
+import torch.distributed as dist
+
+from nanocore.config.schema import ParallelismArgs
+from nanocore.errors import ConfigError
+
+
+class ParallelContext:
+    """Ranks, process groups and the device of this process."""
+
+    def __init__(self, par: ParallelismArgs, *, timeout_minutes: float = 10.0):
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.dp, self.tp, self.pp = par.dp, par.tp, par.pp
+        if self.dp * self.tp * self.pp != self.world_size:
+            raise ConfigError(
+                f"parallelism: dp x tp x pp = {self.dp * self.tp * self.pp} but {self.world_size} processes were launched"
+            )
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+            self.backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            self.backend = "gloo"
+        self.tp_rank = self.rank % self.tp
+        self.pp_rank = (self.rank // self.tp) % self.pp
+        self.dp_rank = self.rank // (self.tp * self.pp)
+        self.distributed = self.world_size > 1
+        self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.tied_group = None
+        self.pp_group_ranks: list[int] = [self.rank]
+        if self.distributed:
+            if not dist.is_initialized():
+                # env:// rendezvous: torchrun sets MASTER_ADDR/PORT, RANK, WORLD_SIZE
+                dist.init_process_group(
+                    self.backend,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    timeout=datetime.timedelta(minutes=timeout_minutes),
+                    device_id=self.device if self.backend == "nccl" else None,
+                )
+            self._make_groups()
+
+    def global_rank(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        return dp_rank * self.pp * self.tp + pp_rank * self.tp + tp_rank
+
+    def _make_groups(self) -> None:
+        # Every rank must create every group in the same order (torch.distributed's rule).
+        def group(ranks: list[int]):
+            return dist.new_group(ranks)
+
+        for d, p in product(range(self.dp), range(self.pp)):
+            ranks = [self.global_rank(d, p, t) for t in range(self.tp)]
+            g = group(ranks)
+            if self.rank in ranks:
+                self.tp_group = g
+        for d, t in product(range(self.dp), range(self.tp)):
+            ranks = [self.global_rank(d, p, t) for p in range(self.pp)]
+            g = group(ranks)
+            if self.rank in ranks:
+                self.pp_group, self.pp_group_ranks = g, ranks
+            # tied parameters (embeddings) live on the first and last pipeline stage
+            tied = sorted({ranks[0], ranks[-1]})
+            tg = group(tied)
+            if self.rank in tied:
+                self.tied_group = tg
+        for p, t in product(range(self.pp), range(self.tp)):
+            ranks = [self.global_rank(d, p, t) for d in range(self.dp)]
+            g = group(ranks)
+            if self.rank in ranks:
+                self.dp_group = g
+        for d in range(self.dp):
+            ranks = [self.global_rank(d, p, t) for p in range(self.pp) for t in range(self.tp)]
+            g = group(ranks)
+            if self.rank in ranks:
+                self.mp_group = g
+        self.world_group = dist.group.WORLD
+
+    def pp_peer(self, pp_rank: int) -> int:
+        """Global rank of pipeline stage `pp_rank` in this rank's pipeline."""
+        return self.pp_group_ranks[pp_rank]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def barrier(self) -> None:
+        if self.distributed:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.local_rank])
+            else:
+                dist.barrier()
+
+    def destroy(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,281 @@
+"""The built-in 3D engine: data x tensor x pipeline parallelism over any model plugin.
+
+Parallelism is applied from outside the single-device model in a fixed order (TP plan, pipeline
+cut, materialisation), then one pipeline executor runs the configured schedule, gradients are
+reduced (DP buckets during backward, then TP and tied-parameter reductions), clipped over the whole
+model counting every element once, and the ZeRO-stage plugin steps the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
+from nanocore.config import Config
+from nanocore.engine_api import StepOutput, TrainableParam
+from nanocore.registry import Entry, Registries
+from nanocore.sharding import get_placement
+
+from .build import LocalModel, build_local_model
+from .context import ParallelContext
+from .grads import GradBuffers
+from .pipeline import PipelineExecutor
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+class DPInfo:
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+
+class Engine3D:
+    """Registered as parallel engine `3d`."""
+
+    def __init__(self, config: Config, registries: Registries):
+        self.config, self.registries = config, registries
+        par = config.parallelism
+        self.ctx = ParallelContext(par)
+        ctx = self.ctx
+        self.rank, self.world_size = ctx.rank, ctx.world_size
+        self.dp_rank, self.dp_size = ctx.dp_rank, ctx.dp
+        self.device = ctx.device
+        self.is_main = ctx.rank == 0
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.schedule = registries.pp_engine.get(par.pp_engine).factory(config)
+        self.tp_mode = registries.tp_mode.get(par.tp_mode).factory() if par.tp > 1 else None
+        self.local: LocalModel | None = None
+        self.optimizer = None
+        torch.manual_seed(config.general.seed + self.rank)
+
+    # -- model ----------------------------------------------------------------------------
+    def setup_model(self, entry: Entry, model_args: Any, seed: int) -> None:
+        ctx, par = self.ctx, self.config.parallelism
+        parallelize = None
+        if ctx.tp > 1:
+            from .tensor_parallel import parallelize as tp_parallelize
+
+            def parallelize(model):
+                tp_parallelize(model, model.tp_plan, ctx.tp_group, self.tp_mode, par.tp_linear_async_communication)
+
+        self.local = build_local_model(
+            entry,
+            model_args,
+            seed=seed,
+            device=self.device,
+            dtype=self.dtype,
+            pp_size=ctx.pp,
+            pp_rank=ctx.pp_rank,
+            virtual_stages=par.pp_virtual_stages,
+            vocab_multiple=model_args.make_vocab_size_divisible_by * ctx.tp,
+            parallelize_tp=parallelize,
+        )
+        self.model = self.local.module
+        self.true_vocab_size = self.local.true_vocab_size
+        with torch.device("meta"):  # the whole single-device model, for FLOPs per token
+            self._flops_model = entry.factory(model_args, vocab_multiple=model_args.make_vocab_size_divisible_by)
+        self._setup_grads()
+        self.executor = PipelineExecutor(
+            ctx,
+            self.local,
+            self.schedule,
+            self._loss,
+            dtype=self.dtype,
+            recompute=par.recompute_layer,
+            on_final_backward=self.grads.final_backward,
+        )
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp > 1:
+            from .tensor_parallel import vocab_parallel_cross_entropy
+
+            vocab_start = self.ctx.tp_rank * logits.shape[-1]
+            return vocab_parallel_cross_entropy(logits, labels, self.ctx.tp_group, vocab_start, self.true_vocab_size)
+        logits = logits[..., : self.true_vocab_size]
+        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+    def _setup_grads(self) -> None:
+        ctx, local = self.ctx, self.local
+        params = dict(self.model.named_parameters())
+        chunk_params: list[list[torch.nn.Parameter]] = []
+        seen: set[int] = set()
+        for chunk in local.chunks:
+            names = {n for block in chunk for n in block}
+            ps = []
+            for name, p in params.items():
+                if id(p) not in seen and any(name == m or name.startswith(m + ".") for m in names):
+                    ps.append(p)
+                    seen.add(id(p))
+            chunk_params.append(ps)
+        accumulate_fp32 = self.config.optimizer.accumulate_grad_in_fp32
+        self.grads = GradBuffers(
+            chunk_params,
+            dtype=torch.float32 if accumulate_fp32 else self.dtype,
+            device=self.device,
+            bucket_bytes=self.config.model.ddp_bucket_cap_mb * 2**20,
+            dp_group=ctx.dp_group,
+            dp_size=ctx.dp,
+        )
+        # TP reductions (sequence-parallel replicated params, replicated kv heads)
+        self.tp_reductions: list[tuple[torch.nn.Parameter, Any]] = []
+        if ctx.tp > 1:
+            from .tensor_parallel import grad_reductions
+
+            self.tp_reductions = list(grad_reductions(self.model))
+        self.tied_split = self._tied_local()
+        self.writer = self._writers(params)
+
+    def _writers(self, params: dict[str, torch.nn.Parameter]) -> dict[str, bool]:
+        """Exactly one rank of each replica group writes (and counts in the grad norm) each piece."""
+        ctx, local = self.ctx, self.local
+        mine = {n: get_placement(p).offsets for n, p in params.items()}
+        if ctx.tp > 1:
+            gathered: list[Any] = [None] * ctx.tp
+            dist.all_gather_object(gathered, mine, group=ctx.tp_group)
+        else:
+            gathered = [mine]
+        writer = {}
+        for n in params:
+            first_holder = next(r for r, g in enumerate(gathered) if g.get(n) == mine[n])
+            writer[n] = first_holder == ctx.tp_rank and n not in local.replica_of_tied
+        return writer
+
+    # -- optimizer ------------------------------------------------------------------------
+    def setup_optimizer(self, optimizer: Entry, zero: Entry, optimizer_args: Any) -> None:
+        trainables = []
+        for name, p in self.model.named_parameters():
+            trainables.append(
+                TrainableParam(
+                    name=self.local.canonical[name],
+                    param=p,
+                    grad=p.main_grad,
+                    placement=get_placement(p),
+                    writer=self.writer[name],
+                    weight_decay=p.dim() >= 2,
+                )
+            )
+        self.trainables = trainables
+        args = optimizer_args
+
+        def build_optimizer(param_groups: list[dict]) -> torch.optim.Optimizer:
+            return optimizer.factory(
+                param_groups,
+                args.optimizer_factory.args,
+                lr=args.learning_rate_scheduler.learning_rate,
+                weight_decay=args.weight_decay,
+                device=self.device,
+            )
+
+        self.optimizer = zero.factory(trainables, build_optimizer, DPInfo(self.ctx.dp_group, self.dp_rank, self.dp_size))
+
+    # -- steps ----------------------------------------------------------------------------
+    def _global_mean(self, local_sum: torch.Tensor) -> float:
+        """Loss from the last stage (tp rank 0), averaged over DP, on every rank."""
+        ctx = self.ctx
+        if not ctx.distributed:
+            return float(local_sum)
+        value = local_sum.detach().float().clone()
+        if not (ctx.is_last_stage and ctx.tp_rank == 0):
+            value.zero_()
+        value /= ctx.dp
+        dist.all_reduce(value)
+        return float(value)
+
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepOutput:
+        self.model.train()
+        self.grads.start_step()
+        local = self.executor.run(micro_batches, train=True)
+        self.grads.finish()
+        for p, group in self.tp_reductions:
+            dist.all_reduce(p.main_grad, group=group)
+        for p in self.tied_split:  # tied embeddings on the first and last stage: sum both sides
+            dist.all_reduce(p.main_grad, group=self.ctx.tied_group)
+        loss = self._global_mean(local)
+        if not math.isfinite(loss):
+            return StepOutput(loss, None, skipped=True)
+        norm = self._grad_norm()
+        clip = self.config.optimizer.clip_grad
+        if clip is not None and norm > clip:
+            scale = clip / (norm + 1e-6)
+            self.grads.buffer.mul_(scale)
+        self.optimizer.step(lr)
+        return StepOutput(loss, norm)
+
+    def _tied_local(self) -> list[torch.nn.Parameter]:
+        """Local parameters that are one side of a tied pair split across the first and last stage."""
+        out = []
+        names = dict(self.model.named_parameters())
+        for first, second in getattr(self.model, "tied_parameters", []):
+            if (first in names) != (second in names):
+                out.append(names.get(first, names.get(second)))
+        return out
+
+    def _grad_norm(self) -> float:
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for t in self.trainables:
+            if t.writer:
+                total += t.grad.float().pow(2).sum()
+        if self.ctx.distributed and self.ctx.tp * self.ctx.pp > 1:
+            dist.all_reduce(total, group=self.ctx.mp_group)
+        return float(total.sqrt())
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
+        self.model.eval()
+        local = self.executor.run(micro_batches, train=False)
+        self.model.train()
+        return self._global_mean(local)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def model_shards(self) -> list[ShardedTensor]:
+        if self.dp_rank != 0:
+            return []
+        return [ShardedTensor(t.name, t.param.detach(), t.placement) for t in self.trainables if t.writer]
+
+    def optimizer_shards(self) -> list[ShardedTensor]:
+        return self.optimizer.state_shards()
+
+    @torch.no_grad()
+    def load_model(self, reader: ShardReader) -> None:
+        for t in self.trainables:
+            t.param.copy_(reader.read(t.name, t.placement, tuple(t.param.shape), dtype=t.param.dtype))
+        if self.optimizer is not None:
+            self.optimizer.refresh_master_weights()
+
+    def load_optimizer(self, reader: ShardReader) -> None:
+        self.optimizer.load_state(reader)
+
+    # -- misc -----------------------------------------------------------------------------
+    def flops_per_token(self, sequence_length: int) -> float:
+        return float(self._flops_model.flops_per_token(sequence_length))
+
+    def barrier(self) -> None:
+        self.ctx.barrier()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self.ctx.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_ranks_ok(self, ok: bool) -> bool:
+        if not self.ctx.distributed:
+            return ok
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        dist.all_reduce(flag)
+        return float(flag) == 0.0
+
+    def shutdown(self) -> None:
+        self.ctx.destroy()

@@ -1,0 +1,107 @@
+"""Gradient buffers and data-parallel reduction overlapped with backward.
+
+Every local parameter gets a `main_grad` view into one flat buffer (fp32 when
+`accumulate_grad_in_fp32`). When the parameter dtype equals the buffer's, `param.grad` *is* that view
+and autograd accumulates into it in place; otherwise a post-accumulate hook adds the fresh gradient
+into the fp32 view and frees it. Buffers are cut into buckets per model chunk, in reverse
+registration order (roughly the order backward produces them). On a chunk's last backward of the
+step, each bucket's all-reduce starts as soon as all its gradients are final, overlapping with the
+rest of backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], view: torch.Tensor):
+        self.params = params
+        self.view = view
+        self.pending: set[int] = set()
+        self.handle = None
+
+
+class GradBuffers:
+    def __init__(
+        self,
+        params_by_chunk: list[list[nn.Parameter]],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        bucket_bytes: int,
+        dp_group,
+        dp_size: int,
+    ):
+        self.dp_group, self.dp_size = dp_group, dp_size
+        order = [p for chunk in params_by_chunk for p in reversed(chunk)]
+        total = sum(p.numel() for p in order)
+        self.buffer = torch.zeros(total, dtype=dtype, device=device)
+        self.buckets: list[_Bucket] = []
+        self.bucket_of: dict[int, _Bucket] = {}
+        self.chunk_of: dict[int, int] = {}
+        self.sync_chunk: int | None = None  # chunk whose final backward is running
+        offset = 0
+        for c, chunk in enumerate(params_by_chunk):
+            current: list[nn.Parameter] = []
+            start = offset
+            for p in reversed(chunk):
+                n = p.numel()
+                p.main_grad = self.buffer[offset : offset + n].view_as(p)
+                if p.dtype == dtype:
+                    p.grad = p.main_grad
+                p.register_post_accumulate_grad_hook(self._hook)
+                self.chunk_of[id(p)] = c
+                current.append(p)
+                offset += n
+                if (offset - start) * self.buffer.element_size() >= bucket_bytes:
+                    self._add_bucket(current, start, offset)
+                    current, start = [], offset
+            if current:
+                self._add_bucket(current, start, offset)
+
+    def _add_bucket(self, params: list[nn.Parameter], start: int, end: int) -> None:
+        bucket = _Bucket(params, self.buffer[start:end])
+        self.buckets.append(bucket)
+        for p in params:
+            self.bucket_of[id(p)] = bucket
+
+    def _hook(self, p: nn.Parameter) -> None:
+        if p.grad is not None and p.grad is not p.main_grad:
+            p.main_grad.add_(p.grad)
+            p.grad = None
+        if self.sync_chunk is None or self.chunk_of[id(p)] != self.sync_chunk:
+            return
+        bucket = self.bucket_of[id(p)]
+        bucket.pending.discard(id(p))
+        if not bucket.pending:
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.dp_size > 1 and bucket.handle is None:
+            bucket.view.div_(self.dp_size)
+            bucket.handle = dist.all_reduce(bucket.view, group=self.dp_group, async_op=True)
+        elif self.dp_size == 1:
+            bucket.handle = True
+
+    def start_step(self) -> None:
+        self.buffer.zero_()
+        self.sync_chunk = None
+        for bucket in self.buckets:
+            bucket.pending = {id(p) for p in bucket.params}
+            bucket.handle = None
+
+    def final_backward(self, chunk: int | None) -> None:
+        """The next backward is `chunk`'s last of this step: reduce its buckets as they fill."""
+        self.sync_chunk = chunk
+
+    def finish(self) -> None:
+        """Wait for every reduction (launching those of parameters that got no gradient)."""
+        self.sync_chunk = None
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                self._launch(bucket)
+            if bucket.handle is not None and bucket.handle is not True:
+                bucket.handle.wait()

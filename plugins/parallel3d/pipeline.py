@@ -1,0 +1,160 @@
+"""One executor for every pipeline schedule: it runs a rank's list of actions (schedules are data).
+
+Forward of chunk c on microbatch m receives its input from the rank holding the previous virtual
+stage (or takes the token ids), sends its output on (or computes the loss); backward receives the
+output gradient, runs autograd and sends the input gradient back. Sends are asynchronous and
+never block, receives block until needed, so a rank stalls exactly when the simulator says it does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from nanocore.pipeline_api import Action, PipelineSchedule
+
+from .build import LocalModel
+from .context import ParallelContext
+
+_HEADER = 8  # ndim + up to 7 dims
+
+
+class P2P:
+    """Point-to-point messages between pipeline ranks, with a shape header so receivers can allocate."""
+
+    def __init__(self, ctx: ParallelContext, dtype: torch.dtype):
+        self.ctx, self.dtype = ctx, dtype
+        self.pending: list = []
+        self.local: dict[tuple, torch.Tensor] = {}
+        self.tagged = ctx.backend == "gloo"  # NCCL matches messages in order and ignores tags
+
+    def send(self, tensor: torch.Tensor, dst_pp_rank: int, key: tuple[int, int, int]) -> None:
+        if dst_pp_rank == self.ctx.pp_rank:  # interleaving with pp=1: hand over in-process
+            self.local[key] = tensor
+            return
+        dst = self.ctx.pp_peer(dst_pp_rank)
+        header = torch.zeros(_HEADER, dtype=torch.long, device=tensor.device)
+        header[0] = tensor.dim()
+        header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
+        tag = self._tag(key)
+        self.pending.append(dist.isend(header, dst, tag=2 * tag))
+        self.pending.append(dist.isend(tensor.contiguous(), dst, tag=2 * tag + 1))
+
+    def recv(self, src_pp_rank: int, key: tuple[int, int, int]) -> torch.Tensor:
+        if src_pp_rank == self.ctx.pp_rank:
+            return self.local.pop(key)
+        src = self.ctx.pp_peer(src_pp_rank)
+        tag = self._tag(key)
+        header = torch.empty(_HEADER, dtype=torch.long, device=self.ctx.device)
+        dist.irecv(header, src, tag=2 * tag).wait()
+        shape = header[1 : 1 + int(header[0])].tolist()
+        out = torch.empty(shape, dtype=self.dtype, device=self.ctx.device)
+        dist.irecv(out, src, tag=2 * tag + 1).wait()
+        return out
+
+    def _tag(self, key: tuple[int, int, int]) -> int:
+        # key = (direction, virtual stage, microbatch); tags only need to be unique per step
+        direction, stage, micro = key
+        return ((micro * 4096 + stage) * 2 + direction) % (1 << 30) if self.tagged else 0
+
+    def wait_all(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+class PipelineExecutor:
+    def __init__(
+        self,
+        ctx: ParallelContext,
+        local: LocalModel,
+        schedule: PipelineSchedule,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        recompute: bool,
+        on_final_backward: Callable[[int | None], None] = lambda chunk: None,
+    ):
+        self.ctx, self.local, self.schedule, self.loss_fn = ctx, local, schedule, loss_fn
+        self.recompute = recompute
+        self.on_final_backward = on_final_backward
+        self.p2p = P2P(ctx, dtype)
+        self.last_stage = local.num_virtual_stages - 1
+        self._actions: dict[int, list[Action]] = {}
+        module = local.module
+        self.chunk_modules = [[[module.get_submodule(n) for n in block] for block in chunk] for chunk in local.chunks]
+
+    def actions(self, num_microbatches: int) -> list[Action]:
+        if num_microbatches not in self._actions:
+            v = len(self.local.chunks)
+            self._actions[num_microbatches] = self.schedule.actions(self.ctx.pp, self.ctx.pp_rank, num_microbatches, v)
+        return self._actions[num_microbatches]
+
+    def _run_chunk(self, c: int, x: torch.Tensor, grad: bool) -> torch.Tensor:
+        stage = self.local.chunk_ids[c]
+        for b, block in enumerate(self.chunk_modules[c]):
+            first_or_last = (stage == 0 and b == 0) or (stage == self.last_stage and b == len(self.chunk_modules[c]) - 1)
+            if grad and self.recompute and not first_or_last:
+                x = checkpoint(_apply_block, block, x, use_reentrant=False)
+            else:
+                x = _apply_block(block, x)
+        return x
+
+    def _owner(self, stage: int) -> int:
+        return stage % self.ctx.pp
+
+    def run(self, micro_batches: list[torch.Tensor], train: bool) -> torch.Tensor:
+        """Run one step's actions; returns the sum of this rank's microbatch losses / M (0 off the last stage)."""
+        m_count = len(micro_batches)
+        device = self.ctx.device
+        inputs = [mb[:, :-1].to(device, non_blocking=True) for mb in micro_batches]
+        labels = [mb[:, 1:].to(device, non_blocking=True) for mb in micro_batches]
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        actions = self.actions(m_count)
+        if not train:
+            actions = [Action("F", c, m) for m in range(m_count) for c in range(len(self.local.chunks))]
+        last_backward = {}
+        for i, a in enumerate(actions):
+            if a.kind == "B":
+                last_backward[a.chunk] = i
+        for i, action in enumerate(actions):
+            c, m = action.chunk, action.microbatch
+            stage = self.local.chunk_ids[c]
+            if action.kind == "F":
+                if stage == 0:
+                    x = inputs[m]
+                else:
+                    x = self.p2p.recv(self._owner(stage - 1), (0, stage, m))
+                    x.requires_grad_(train)
+                with torch.set_grad_enabled(train):
+                    y = self._run_chunk(c, x, train)
+                    if stage == self.last_stage:
+                        y = self.loss_fn(y, labels[m]) / m_count
+                        total += y.detach().float()
+                    else:
+                        self.p2p.send(y.detach(), self._owner(stage + 1), (0, stage + 1, m))
+                if train:
+                    saved[(c, m)] = (x if stage > 0 else None, y)
+            else:
+                x, y = saved.pop((c, m))
+                self.on_final_backward(c if last_backward[c] == i else None)
+                if stage == self.last_stage:
+                    y.backward()
+                else:
+                    grad = self.p2p.recv(self._owner(stage + 1), (1, stage, m))
+                    torch.autograd.backward(y, grad)
+                if x is not None:
+                    self.p2p.send(x.grad, self._owner(stage - 1), (1, stage - 1, m))
+        self.on_final_backward(None)
+        self.p2p.wait_all()
+        return total
+
+
+def _apply_block(modules: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for module in modules:
+        x = module(x)
+    return x

@@ -1,0 +1,21 @@
+"""Registers ZeRO stages '0' (replicated optimizer state) and '1' (state sharded over data parallel)."""
+
+from __future__ import annotations
+
+from nanocore import hookimpl
+
+from .optimizer import ZeroOptimizer
+
+
+def replicated(params, build_optimizer, dp):
+    return ZeroOptimizer(params, build_optimizer, dp, sharded=False)
+
+
+def sharded(params, build_optimizer, dp):
+    return ZeroOptimizer(params, build_optimizer, dp, sharded=True)
+
+
+@hookimpl
+def register_zero_stages(registry):
+    registry.register("0", replicated, description="optimizer state replicated on every data-parallel rank")
+    registry.register("1", sharded, description="optimizer state and fp32 master weights sharded over data parallel")

@@ -1,0 +1,25 @@
+"""nanocore built-in plugin: optimizers (adam_w, sgd) and LR decay shapes (cosine, linear, 1-sqrt, constant)."""
+
+from __future__ import annotations
+
+from nanocore import hookimpl
+from nanocore_plugins.optim.lr_decay import DECAY_SHAPES
+from nanocore_plugins.optim.optimizers import AdamWArgs, SGDArgs, build_adamw, build_sgd
+
+
+@hookimpl
+def register_optimizers(registry):
+    registry.register(
+        "adam_w",
+        build_adamw,
+        config_class=AdamWArgs,
+        aliases=("adamW", "adamw"),
+        description="torch AdamW (decoupled weight decay), fused where supported",
+    )
+    registry.register("sgd", build_sgd, config_class=SGDArgs, description="torch SGD with optional momentum")
+
+
+@hookimpl
+def register_lr_schedulers(registry):
+    for name, shape in DECAY_SHAPES.items():
+        registry.register(name, shape, description=(shape.__doc__ or "").strip())

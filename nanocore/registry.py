@@ -80,12 +80,17 @@ class Registry:
         return self._entries[canonical]
 
     def unknown_message(self, name: Any, path: str | None = None) -> str:
-        installed = ", ".join(self.names()) or "none (is the plugin installed?)"
+        where = f"{path}: " if path else ""
+        if not self._entries:
+            return (
+                f"{where}no plugin provides {self.kind} {name!r}: no {self.kind} plugin is installed "
+                "(pip install the package that provides it, or check NANOCORE_DISABLE_PLUGINS)"
+            )
+        installed = ", ".join(self.names())
         hint = ""
         close = difflib.get_close_matches(str(name), self.names() + list(self._aliases), n=1, cutoff=0.75)
         if close:
             hint = f" (did you mean {close[0]!r}?)"
-        where = f"{path}: " if path else ""
         return f"{where}unknown {self.kind} {name!r}{hint}; installed: {installed}"
 
     def names(self) -> list[str]:

@@ -230,12 +230,12 @@ class Trainer:
                 metrics = self._metrics(out, lr, elapsed)
                 if step % interval == 0 or step == cfg.tokens.train_steps:
                     self._log(metrics)
-                self.plugins.hook.on_step_end(step=step, metrics=metrics, trainer=self)
                 if self.validation is not None and step % cfg.tokens.val_check_interval == 0:
                     self.validate()
                 every = cfg.checkpoints.checkpoint_interval
                 if every > 0 and step % every == 0:
                     self.save_checkpoint()
+                self.plugins.hook.on_step_end(step=step, metrics=metrics, trainer=self)
             if cfg.checkpoints.save_final_state and not (
                 cfg.checkpoints.checkpoint_interval > 0 and self.step % cfg.checkpoints.checkpoint_interval == 0
             ):

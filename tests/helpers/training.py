@@ -1,0 +1,114 @@
+"""Run the real trainer from a config dict, in this process or on N spawned gloo ranks.
+
+Used by the parity and checkpoint tests: every run returns its per-step losses and the full
+(unsharded) weights assembled from the pieces each rank would write to a checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanocore.config.converter import structure_config
+from nanocore.config.checks import check_config
+from nanocore.config.load import LoadedConfig
+from nanocore.plugins import load_plugins
+from nanocore.trainer import Trainer
+from tests.helpers.distributed import run_ranks
+
+TINY_MODEL = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+}
+
+
+def tiny_config(tmp: Path, **sections: Any) -> dict:
+    """A float32 tiny-LLaMA config on random tokens; `sections` override top-level sections (merged)."""
+    config: dict[str, Any] = {
+        "general": {"seed": 7, "project": "test", "run": "parity"},
+        "model": {"model_config": dict(TINY_MODEL), "dtype": "float32", "init_method": {"std": 0.05}},
+        "tokenizer": {"tokenizer_name_or_path": None},
+        "tokens": {
+            "sequence_length": 16,
+            "train_steps": 10,
+            "micro_batch_size": 1,
+            "batch_accumulation_per_replica": 4,
+        },
+        "optimizer": {
+            "learning_rate_scheduler": {"learning_rate": 3e-3, "lr_warmup_steps": 2, "min_decay_lr": 3e-4},
+            "weight_decay": 0.01,
+            "clip_grad": 1.0,
+            "optimizer_factory": {"name": "adam_w", "torch_adam_is_fused": False},
+        },
+        "data_stages": [{"name": "stable", "start_training_step": 1, "data": {"dataset": None}}],
+        "checkpoints": {"checkpoints_path": str(tmp / "checkpoints"), "save_final_state": False},
+        "logging": {"log_dir": str(tmp / "logs"), "loggers": []},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            merged = copy.deepcopy(config[key])
+            for k, v in value.items():
+                if isinstance(v, dict) and isinstance(merged.get(k), dict):
+                    merged[k] = {**merged[k], **v}
+                else:
+                    merged[k] = v
+            config[key] = merged
+        else:
+            config[key] = value
+    return config
+
+
+def _train(raw: dict, world_size: int, extra_plugins: tuple = ()) -> dict:
+    plugins = load_plugins()
+    for i, plugin in enumerate(extra_plugins):
+        plugins.register_object(plugin, f"test_plugin_{i}")
+    config = structure_config(raw, plugins.registries)
+    check_config(config, plugins.registries, world_size)
+    trainer = Trainer(LoadedConfig(config, plugins, None))
+    try:
+        losses = trainer.train()
+        pieces = [(s.name, s.tensor.detach().cpu().clone(), s.placement) for s in trainer.engine.model_shards()]
+        state_bytes = trainer.engine.optimizer.state_bytes()
+    finally:
+        trainer.close()
+    return {"losses": losses, "pieces": pieces, "state_bytes": state_bytes}
+
+
+def _rank_train(rank: int, world_size: int, raw: dict) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    return _train(raw, world_size)
+
+
+def assemble(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's written pieces."""
+    full: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, tensor, placement in result["pieces"]:
+            if name not in full:
+                full[name] = torch.full(placement.full_shape, float("nan"), dtype=tensor.dtype)
+            full[name][placement.slices(tuple(tensor.shape))] = tensor
+    for name, tensor in full.items():
+        assert not torch.isnan(tensor).any(), f"{name} not fully covered by the written pieces"
+    return full
+
+
+def run_training(raw: dict, world_size: int = 1, extra_plugins: tuple = ()) -> dict:
+    """Train; returns {'losses': rank 0's losses, 'weights': full tensors, 'ranks': per-rank results}.
+
+    `extra_plugins` (objects with hook implementations) are registered in-process, one process only.
+    """
+    if world_size == 1:
+        results = [_train(raw, 1, extra_plugins)]
+    else:
+        results = run_ranks(world_size, _rank_train, raw, timeout=600)
+    return {"losses": results[0]["losses"], "weights": assemble(results), "ranks": results}

@@ -134,10 +134,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=bias)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        # Shapes come from the projections, not from x: under sequence parallelism x holds a
+        # sequence shard and the column-parallel projections return the gathered sequence.
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        b, s = q.shape[0], q.shape[1]
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         offset = kv_cache.length if kv_cache is not None else 0
         cos, sin = self.rotary.cos_sin(s, offset, x.device, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -127,12 +127,6 @@ class Engine3D:
             dp_group=ctx.dp_group,
             dp_size=ctx.dp,
         )
-        # TP reductions (sequence-parallel replicated params, replicated kv heads)
-        self.tp_reductions: list[tuple[torch.nn.Parameter, Any]] = []
-        if ctx.tp > 1:
-            from .tensor_parallel import grad_reductions
-
-            self.tp_reductions = list(grad_reductions(self.model))
         self.tied_split = self._tied_local()
         self.writer = self._writers(params)
 
@@ -197,8 +191,10 @@ class Engine3D:
         self.grads.start_step()
         local = self.executor.run(micro_batches, train=True)
         self.grads.finish()
-        for p, group in self.tp_reductions:
-            dist.all_reduce(p.main_grad, group=group)
+        if self.ctx.tp > 1:  # sequence-parallel replicated params, kv heads shared by several ranks
+            from .tensor_parallel import tp_grad_sync
+
+            tp_grad_sync(self.model, self.ctx.tp_group, grad_of=lambda p: p.main_grad)
         for p in self.tied_split:  # tied embeddings on the first and last stage: sum both sides
             dist.all_reduce(p.main_grad, group=self.ctx.tied_group)
         loss = self._global_mean(local)

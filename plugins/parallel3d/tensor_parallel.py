@@ -1,0 +1,437 @@
+"""Tensor-parallel layers and `parallelize`, which swaps a single-device model's layers for them.
+
+The model declares a TP plan (`nanocore.model_api`); `parallelize` replaces each matched
+`nn.Linear` / `nn.Embedding` in place, keeping the attribute names `weight` / `bias` so parameter
+names stay those of the single-device model, and marks each new parameter with its `Placement`.
+The layers hold weights only; how activations travel (ALL_REDUCE or REDUCE_SCATTER) is the TP
+mode's business (`nanocore_plugins.tp_modes.modes.TPMode`), so a new mode needs no new layers.
+
+After every backward, `tp_grad_sync(model, group)` adds up the gradients that TP leaves partial.
+The loss is computed from vocab-sharded logits by `vocab_parallel_cross_entropy`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanocore.errors import ConfigError, PluginError
+from nanocore.sharding import Placement, set_placement
+
+Group = dist.ProcessGroup | None
+STYLES = ("colwise", "rowwise", "colwise_kv", "vocab_embedding", "lm_head")
+
+
+def _size_rank(group: Group) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _param(source: torch.Tensor, index: tuple, placement: Placement) -> nn.Parameter:
+    """A new parameter holding `source[index]` (works on meta: nothing is allocated there)."""
+    param = nn.Parameter(source.detach()[index].clone(), requires_grad=source.requires_grad)
+    set_placement(param, placement)
+    return param
+
+
+def _split(size: int, tp: int, rank: int, what: str) -> tuple[int, int]:
+    if size % tp:
+        raise ConfigError(f"parallelism.tp: {what} has size {size}, which tp={tp} does not divide; pick a tp that does")
+    return rank * (size // tp), size // tp
+
+
+class ColumnParallelLinear(nn.Module):
+    """A linear layer whose output features are split over the TP ranks.
+
+    Used where the following computation is independent per output feature (attention heads, MLP
+    hidden units), so no communication is needed until a `RowParallelLinear` joins them. The input
+    arrives as the mode keeps activations (replicated, or sequence-sharded for REDUCE_SCATTER) and
+    the output is this rank's feature slice for the whole sequence.
+
+    `replicas > 1` means several TP ranks hold this same slice (key/value heads fewer than tp);
+    each then sees only its own query heads' share of the gradient, which `tp_grad_sync` sums.
+    """
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        *,
+        full_out_features: int,
+        out_start: int,
+        group: Group,
+        tp_mode: Any,
+        async_communication: bool = False,
+        replicas: int = 1,
+    ):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+        self.full_out_features, self.out_start, self.replicas = full_out_features, out_start, replicas
+        self.group, self.tp_mode, self.async_communication = group, tp_mode, async_communication
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, out_start: int, out_len: int, *, weight=None, **kwargs):
+        """Cut rows [out_start, out_start + out_len) of `linear` (pass `weight` to share a tied one)."""
+        full = (linear.out_features, linear.in_features)
+        rows = (slice(out_start, out_start + out_len),)
+        if weight is None:
+            weight = _param(linear.weight, rows, Placement(full, (out_start, 0)))
+        bias = None if linear.bias is None else _param(linear.bias, rows, Placement((full[0],), (out_start,)))
+        return cls(weight, bias, full_out_features=full[0], out_start=out_start, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp_mode.column_linear(x, self.weight, self.bias, self.group, self.async_communication)
+
+    def extra_repr(self) -> str:
+        rows = f"{self.out_start}:{self.out_start + self.out_features} of {self.full_out_features}"
+        return f"in={self.in_features}, out rows {rows}, replicas={self.replicas}, mode={self.tp_mode!r}"
+
+
+class VocabParallelLMHead(ColumnParallelLinear):
+    """The output projection split over vocabulary rows. Its logits stay vocab-sharded
+    ([b, s, vocab/tp]) into `vocab_parallel_cross_entropy`: the full logits are the largest
+    activation of a small model and are never gathered in training."""
+
+    @property
+    def vocab_start(self) -> int:
+        return self.out_start
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split over the TP ranks.
+
+    It consumes a `ColumnParallelLinear`'s sharded output directly; each rank's product is a partial
+    sum that the mode combines (all-reduce, or reduce-scatter along the sequence). The bias is
+    replicated and added once, after that reduction, so it is not counted tp times.
+    """
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        *,
+        full_in_features: int,
+        in_start: int,
+        group: Group,
+        tp_mode: Any,
+        async_communication: bool = False,
+    ):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+        self.full_in_features, self.in_start = full_in_features, in_start
+        self.group, self.tp_mode, self.async_communication = group, tp_mode, async_communication
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, in_start: int, in_len: int, **kwargs):
+        full = (linear.out_features, linear.in_features)
+        weight = _param(
+            linear.weight, (slice(None), slice(in_start, in_start + in_len)), Placement(full, (0, in_start))
+        )
+        bias = None if linear.bias is None else _param(linear.bias, (slice(None),), Placement.whole((full[0],)))
+        return cls(weight, bias, full_in_features=full[1], in_start=in_start, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp_mode.row_linear(x, self.weight, self.bias, self.group, self.async_communication)
+
+    def extra_repr(self) -> str:
+        cols = f"{self.in_start}:{self.in_start + self.in_features} of {self.full_in_features}"
+        return f"in cols {cols}, out={self.out_features}, mode={self.tp_mode!r}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split over vocabulary rows, the largest matrix of a small model.
+
+    Each rank looks up the tokens that fall in its rows and contributes zeros for the rest; the mode
+    sums the partial results (all-reduce, or reduce-scatter along the sequence for REDUCE_SCATTER).
+    """
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        *,
+        full_num_embeddings: int,
+        vocab_start: int,
+        group: Group,
+        tp_mode: Any,
+        padding_idx: int | None = None,
+    ):
+        super().__init__()
+        self.weight = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.full_num_embeddings, self.vocab_start = full_num_embeddings, vocab_start
+        self.group, self.tp_mode = group, tp_mode
+        # Only the rank holding the padding row keeps F.embedding's "no gradient for padding".
+        local = None if padding_idx is None else padding_idx - vocab_start
+        self.padding_idx = local if local is not None and 0 <= local < self.num_embeddings else None
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, start: int, length: int, *, weight=None, **kwargs):
+        full = tuple(embedding.weight.shape)
+        if weight is None:
+            weight = _param(embedding.weight, (slice(start, start + length),), Placement(full, (start, 0)))
+        return cls(weight, full_num_embeddings=full[0], vocab_start=start, padding_idx=embedding.padding_idx, **kwargs)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.num_embeddings == self.full_num_embeddings:
+            return self.tp_mode.after_embedding(F.embedding(input_ids, self.weight, self.padding_idx), self.group)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_start + self.num_embeddings)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp_mode.after_embedding(partial, self.group)
+
+    def extra_repr(self) -> str:
+        rows = f"{self.vocab_start}:{self.vocab_start + self.num_embeddings} of {self.full_num_embeddings}"
+        return f"rows {rows}, dim={self.embedding_dim}, mode={self.tp_mode!r}"
+
+
+TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
+def _style_of(name: str, tp_plan: dict[str, Any]) -> tuple[str, dict] | None:
+    for pattern, spec in tp_plan.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            style, options = (spec, {}) if isinstance(spec, str) else (spec.get("style"), spec)
+            if style not in STYLES:
+                raise PluginError(f"tp_plan[{pattern!r}]: unknown style {style!r}; styles: {', '.join(STYLES)}")
+            return style, options
+    return None
+
+
+def _kv_rows(linear: nn.Linear, options: dict, tp: int, rank: int, name: str) -> tuple[int, int, int]:
+    """(start, length, replicas) of the key/value rows this rank needs.
+
+    Query heads are split contiguously, so with kv_heads < tp the ranks r with the same
+    r // (tp // kv_heads) hold query heads of one GQA group and share that group's kv head.
+    """
+    head_dim = options.get("head_dim")
+    if not isinstance(head_dim, int) or head_dim < 1 or linear.out_features % head_dim:
+        raise PluginError(
+            f"tp_plan: colwise_kv for {name!r} needs an integer 'head_dim' dividing {linear.out_features}"
+        )
+    heads = linear.out_features // head_dim
+    if heads >= tp:
+        start, length = _split(heads, tp, rank, f"{name} (key/value heads)")
+        return start * head_dim, length * head_dim, 1
+    if tp % heads:
+        raise ConfigError(
+            f"parallelism.tp: {name} has {heads} key/value heads; tp={tp} must be a multiple of it (or divide it)"
+        )
+    replicas = tp // heads
+    return (rank // replicas) * head_dim, head_dim, replicas
+
+
+def parallelize(
+    model: nn.Module, tp_plan: dict[str, Any], group: Group, tp_mode: Any, async_communication: bool = False
+) -> None:
+    """Replace, in place, every module of `model` matched by `tp_plan` with its parallel version.
+
+    `group` is this rank's TP process group (None for no TP); `tp_mode` is the object the `tp_mode`
+    registry's factory returned. Patterns are tried in order and the first match wins. Works on
+    meta and on real tensors (real weights are sliced, which the tests use). Parameters shared
+    between two sharded modules (tied embeddings) stay one parameter.
+    """
+    tp, rank = _size_rank(group)
+    common = {"group": group, "tp_mode": tp_mode}
+    replaced: dict[int, nn.Parameter] = {}  # id(original weight) -> its shard, for tied weights
+    originals: dict[int, str] = {}
+    for name, module in list(model.named_modules()):
+        found = _style_of(name, tp_plan) if name else None
+        if found is None:
+            continue
+        style, options = found
+        wanted = nn.Embedding if style == "vocab_embedding" else nn.Linear
+        if type(module) is not wanted:
+            raise PluginError(
+                f"tp_plan maps {name!r} to {style}, which needs an nn.{wanted.__name__}, but it is a {type(module).__name__}"
+            )
+        tied = replaced.get(id(module.weight))
+        if style == "vocab_embedding":
+            start, length = _split(
+                module.num_embeddings, tp, rank, f"{name} (vocabulary; pad it with model.make_vocab_size_divisible_by)"
+            )
+            new = VocabParallelEmbedding.from_embedding(module, start, length, weight=tied, **common)
+        elif style == "rowwise":
+            start, length = _split(module.in_features, tp, rank, f"{name} (input features)")
+            new = RowParallelLinear.from_linear(
+                module, start, length, async_communication=async_communication, **common
+            )
+        else:
+            replicas = 1
+            if style == "colwise_kv":
+                start, length, replicas = _kv_rows(module, options, tp, rank, name)
+            else:
+                start, length = _split(module.out_features, tp, rank, f"{name} (output features)")
+            cls = VocabParallelLMHead if style == "lm_head" else ColumnParallelLinear
+            new = cls.from_linear(
+                module, start, length, weight=tied, replicas=replicas, async_communication=async_communication, **common
+            )
+        if tied is not None and tied.shape != new.weight.shape:
+            raise PluginError(f"{name}.weight is tied to a parameter that the tp_plan splits differently")
+        replaced[id(module.weight)] = new.weight
+        originals[id(module.weight)] = name
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in replaced:
+            raise PluginError(
+                f"{name} shares its weight with {originals[id(param)]!r}, which the tp_plan shards, but is not "
+                "sharded itself; add it to the model's tp_plan with the same style"
+            )
+
+
+def set_tp_mode(model: nn.Module, tp_mode: Any) -> None:
+    """Switch every TP layer to another mode (e.g. ALL_REDUCE for generation, where one new token
+    cannot be split along the sequence)."""
+    for module in model.modules():
+        if isinstance(module, TP_LAYERS):
+            module.tp_mode = tp_mode
+
+
+def _partial_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[ColumnParallelLinear]]:
+    """(replicated parameters that see only a sequence shard, column layers holding shared kv heads)."""
+    layers = [m for m in model.modules() if isinstance(m, TP_LAYERS)]
+    sharded = {id(p) for m in layers for p in (m.weight, getattr(m, "bias", None)) if p is not None}
+    for m in layers:
+        if isinstance(m, RowParallelLinear) and m.bias is not None:
+            sharded.discard(id(m.bias))  # replicated and added after the reduce-scatter: partial
+    sequence_parallel = any(getattr(m.tp_mode, "sequence_parallel", False) for m in layers)
+    partial = [p for p in model.parameters() if id(p) not in sharded] if sequence_parallel else []
+    kv = [m for m in layers if isinstance(m, ColumnParallelLinear) and m.replicas > 1]
+    return partial, kv
+
+
+def tp_grad_sync(
+    model: nn.Module, group: Group, grad_of: Callable[[nn.Parameter], torch.Tensor | None] | None = None
+) -> None:
+    """Sum, over the TP group, every gradient that tensor parallelism leaves partial. Call it on every
+    TP rank after the last backward of a step, before clipping and the optimizer step.
+
+    - REDUCE_SCATTER: replicated parameters (norms, row-parallel biases) saw only this rank's
+      sequence shard.
+    - Key/value heads shared by several ranks (`replicas > 1`) got only this rank's query heads'
+      share; summed over exactly the ranks sharing them by all-reducing a zero-padded full-size
+      buffer over the TP group, which needs no extra process groups.
+
+    `grad_of(param)` returns the gradient tensor to reduce in place (default: `param.grad`; pass
+    e.g. `lambda p: p.main_grad` for fp32 accumulation buffers). One all-reduce per dtype.
+    """
+    tp, _ = _size_rank(group)
+    if tp == 1:
+        return
+    grad_of = grad_of or (lambda p: p.grad)
+    partial, kv_layers = _partial_parameters(model)
+    jobs: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]] = {}
+    for param in partial:
+        grad = grad_of(param)
+        if grad is not None:
+            jobs.setdefault(grad.dtype, []).append((grad, grad, lambda buf: buf))
+    for layer in kv_layers:
+        for param in (layer.weight, layer.bias):
+            grad = grad_of(param) if param is not None else None
+            if grad is None:
+                continue
+            full = grad.new_zeros((layer.full_out_features, *grad.shape[1:]))
+            rows = slice(layer.out_start, layer.out_start + layer.out_features)
+            full[rows] = grad
+            jobs.setdefault(grad.dtype, []).append((grad, full, lambda buf, rows=rows: buf[rows]))
+    for items in jobs.values():
+        flat = torch.cat([source.reshape(-1) for _, source, _ in items])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for grad, source, pick in items:
+            grad.copy_(pick(flat[offset : offset + source.numel()].view_as(source)))
+            offset += source.numel()
+
+
+def tp_owned_parameters(model: nn.Module, group: Group) -> Iterable[tuple[str, nn.Parameter]]:
+    """The parameters this TP rank answers for: its shards, plus one copy of each replicated tensor
+    (TP rank 0 for plain replicated parameters, the first sharing rank for shared kv heads).
+
+    Summing squared gradient norms over these on every TP rank, then all-reducing over TP, counts
+    each element once; a checkpoint writer can use it to skip duplicates.
+    """
+    _, rank = _size_rank(group)
+    layers = [m for m in model.modules() if isinstance(m, TP_LAYERS)]
+    duplicate: set[int] = set()
+    sharded: set[int] = set()
+    for m in layers:
+        shared = isinstance(m, ColumnParallelLinear) and m.replicas > 1 and rank % m.replicas != 0
+        for p in (m.weight, getattr(m, "bias", None)):
+            if p is not None and not (isinstance(m, RowParallelLinear) and p is m.bias):
+                (duplicate if shared else sharded).add(id(p))
+    for name, param in model.named_parameters():
+        if id(param) in duplicate or (id(param) not in sharded and rank != 0):
+            continue
+        yield name, param
+
+
+def vocab_parallel_cross_entropy(
+    logits_local: torch.Tensor,
+    labels: torch.Tensor,
+    group: Group,
+    vocab_start: int,
+    true_vocab_size: int,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy from vocab-sharded logits [..., vocab/tp] without gathering them (Megatron).
+
+    Columns at or beyond `true_vocab_size` are padding and are masked out. Labels equal to
+    `ignore_index` do not count. `reduction`: "mean" over counted tokens, "sum", or "none" (per
+    token, 0 where ignored). Computed in float32. With `group` None it equals `F.cross_entropy` on
+    the unpadded logits.
+    """
+    per_token = _VocabParallelCrossEntropy.apply(
+        logits_local, labels, group, vocab_start, true_vocab_size, ignore_index
+    )
+    if reduction == "none":
+        return per_token
+    if reduction == "sum":
+        return per_token.sum()
+    return per_token.sum() / (labels != ignore_index).sum().clamp(min=1)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, group, vocab_start, true_vocab_size, ignore_index):
+        tp, _ = _size_rank(group)
+        local_vocab = logits.shape[-1]
+        ctx.input_dtype = logits.dtype
+        logits = logits.to(torch.float32, copy=True)  # worked on in place below; the caller's stays intact
+        padding = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device) >= true_vocab_size
+        logits.masked_fill_(padding, float("-inf"))
+        max_logit = logits.amax(dim=-1)
+        if tp > 1:
+            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
+        logits.sub_(max_logit.unsqueeze(-1))
+        ignored = labels == ignore_index
+        mine = (labels >= vocab_start) & (labels < vocab_start + local_vocab) & ~ignored
+        local_labels = (labels - vocab_start).masked_fill(~mine, 0)
+        target = logits.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        exp = logits.exp_()
+        sum_exp = exp.sum(dim=-1)
+        if tp > 1:
+            both = torch.stack([target, sum_exp])  # one collective for two sums
+            dist.all_reduce(both, group=group)
+            target, sum_exp = both[0], both[1]
+        loss = (sum_exp.log() - target).masked_fill(ignored, 0.0)
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(exp, mine, local_labels, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, mine, local_labels, ignored = ctx.saved_tensors
+        grad = softmax  # d loss / d logits = softmax - one_hot(label); reuse the buffer
+        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None, None, None, None

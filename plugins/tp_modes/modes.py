@@ -1,0 +1,153 @@
+"""The two built-in tensor-parallel modes: ALL_REDUCE (Megatron) and REDUCE_SCATTER (sequence parallel).
+
+A mode decides how activations travel between the parallel layers of
+`nanocore_plugins.parallel3d.tensor_parallel`; the layers hold only weights and call the mode.
+A third-party mode registers any object with the same attributes as `TPMode`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nanocore_plugins.tp_modes.comm import group_size
+from nanocore_plugins.tp_modes.functions import (
+    ColumnLinearOverlapped,
+    CopyToTP,
+    GatherFromSequence,
+    ReduceFromTP,
+    ReduceScatterToSequence,
+    SequenceParallelColumnLinearOverlapped,
+)
+
+Group = dist.ProcessGroup | None
+
+
+class _SharedInput:
+    """Remembers the last communicated input of a column-parallel layer.
+
+    Single-device model code calls q/k/v (or gate/up) projections one by one on the same tensor;
+    giving them the same f-op output means one all-gather in forward and one all-reduce or
+    reduce-scatter in backward (their gradients add up before the collective), as a fused QKV
+    layer would. The input is held weakly and the result only while the input lives (usually the
+    length of one attention or MLP forward), so nothing outlives the autograd graph; that also
+    keeps the sharing under activation recomputation, which does not save the gathered tensor.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._result: torch.Tensor | None = None
+
+    def _forget(self, ref: weakref.ref) -> None:
+        if self._key is not None and self._key[0] is ref:
+            self._key = self._result = None
+
+    def get(self, x: torch.Tensor, group: Group, make) -> torch.Tensor:
+        if x.is_inference():  # inference tensors have no version counter to validate the cache with
+            return make()
+        key = (x._version, id(group), torch.is_grad_enabled())
+        if self._key is not None and self._key[0]() is x and self._key[1:] == key:
+            return self._result
+        self._key = self._result = None
+        result = make()
+        self._key = (weakref.ref(x, self._forget), *key)
+        self._result = result
+        return result
+
+
+class TPMode:
+    """The interface the tensor-parallel layers use. `group=None` or a group of one means no TP.
+
+    - `sequence_parallel`: activations between layers are sharded along dim 1 (the sequence), so
+      replicated parameters see only part of the tokens and their gradients must be summed over TP.
+    - `column_linear(x, weight, bias, group, async_communication) -> y_local`: `weight` holds this
+      rank's output rows; `x` is the layer input as it flows between blocks in this mode.
+    - `row_linear(x_local, weight, bias, group, async_communication) -> y`: `weight` holds this rank's
+      input columns; `bias` is replicated and added once, after the reduction.
+    - `after_embedding(y_partial, group) -> y`: combines the vocab-parallel embedding's partial rows.
+    """
+
+    name = "?"
+    sequence_parallel = False
+
+    def column_linear(self, x, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
+        raise NotImplementedError
+
+    def row_linear(self, x_local, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
+        raise NotImplementedError
+
+    def after_embedding(self, y_partial: torch.Tensor, group: Group) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class AllReduceMode(TPMode):
+    """Megatron tensor parallelism: activations between blocks are replicated on every TP rank.
+
+    Column-parallel layers take the replicated input as is (identity forward, all-reduce of the input
+    gradient in backward); row-parallel layers all-reduce their partial outputs (identity backward).
+    With `async_communication` the backward all-reduce of a column layer overlaps its weight-gradient
+    matmul. The row layer's all-reduce is on the critical path either way, so it has no async form.
+    """
+
+    name = "ALL_REDUCE"
+    sequence_parallel = False
+
+    def __init__(self) -> None:
+        self._shared = _SharedInput()
+
+    def column_linear(self, x, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
+        if group_size(group) == 1:
+            return F.linear(x, weight, bias)
+        if async_communication and torch.is_grad_enabled():
+            return ColumnLinearOverlapped.apply(x, weight, bias, group)
+        return F.linear(self._shared.get(x, group, lambda: CopyToTP.apply(x, group)), weight, bias)
+
+    def row_linear(self, x_local, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
+        y = F.linear(x_local, weight)
+        if group_size(group) > 1:
+            y = ReduceFromTP.apply(y, group)
+        return y + bias if bias is not None else y
+
+    def after_embedding(self, y_partial: torch.Tensor, group: Group) -> torch.Tensor:
+        return ReduceFromTP.apply(y_partial, group) if group_size(group) > 1 else y_partial
+
+
+class ReduceScatterMode(TPMode):
+    """Sequence parallelism (Korthikanti et al.): activations between blocks are sharded along the
+    sequence, so norms, residuals and dropout are computed on 1/tp of the tokens and stored once.
+
+    Column-parallel layers all-gather the sequence first (reduce-scatter of the gradient in
+    backward); row-parallel layers and the embedding reduce-scatter their partial outputs along the
+    sequence (all-gather in backward). Same traffic as ALL_REDUCE (an all-reduce is a reduce-scatter
+    plus an all-gather), less activation memory. The sequence length must be divisible by tp.
+    With `async_communication` column layers overlap the gather with the local shard's matmul in
+    forward, and the re-gather and reduce-scatter with the gradient matmuls in backward.
+    """
+
+    name = "REDUCE_SCATTER"
+    sequence_parallel = True
+
+    def __init__(self) -> None:
+        self._shared = _SharedInput()
+
+    def column_linear(self, x, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
+        if group_size(group) == 1:
+            return F.linear(x, weight, bias)
+        if async_communication and torch.is_grad_enabled():
+            return SequenceParallelColumnLinearOverlapped.apply(x, weight, bias, group)
+        return F.linear(self._shared.get(x, group, lambda: GatherFromSequence.apply(x, group)), weight, bias)
+
+    def row_linear(self, x_local, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
+        y = F.linear(x_local, weight)
+        if group_size(group) > 1:
+            y = ReduceScatterToSequence.apply(y, group)
+        return y + bias if bias is not None else y
+
+    def after_embedding(self, y_partial: torch.Tensor, group: Group) -> torch.Tensor:
+        return ReduceScatterToSequence.apply(y_partial, group) if group_size(group) > 1 else y_partial

@@ -1,0 +1,1 @@
+"""Shared test helpers (multi-process rank spawning lives in `tests.helpers.distributed`)."""

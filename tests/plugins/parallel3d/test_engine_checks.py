@@ -1,0 +1,70 @@
+"""Layouts the 3d engine cannot run are config errors before any process starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanocore.config.checks import check_config
+from nanocore.config.converter import structure_config
+from nanocore.errors import ConfigError
+from nanocore.plugins import load_plugins
+from tests.helpers.training import tiny_config
+
+
+@pytest.fixture(scope="module")
+def registries():
+    return load_plugins().registries
+
+
+def problems(registries, tmp_path, world_size=None, **sections) -> str:
+    config = structure_config(tiny_config(tmp_path, **sections), registries)
+    with pytest.raises(ConfigError) as err:
+        check_config(config, registries, world_size)
+    return str(err.value)
+
+
+def test_heads_not_divisible_by_tp(registries, tmp_path):
+    message = problems(registries, tmp_path, parallelism={"tp": 3})
+    assert "num_attention_heads" in message and "tp" in message
+
+
+def test_fewer_layers_than_pipeline_chunks(registries, tmp_path):
+    # 4 layers + embedding + head = 6 blocks; pp 4 x 2 virtual stages = 8 chunks
+    message = problems(
+        registries,
+        tmp_path,
+        parallelism={"pp": 4, "pp_engine": "interleaved", "pp_virtual_stages": 2},
+        tokens={"batch_accumulation_per_replica": 4},
+    )
+    assert "8 pipeline chunks but the model has only 6 pipeline blocks" in message
+
+
+def test_experts_without_a_plugin(registries, tmp_path):
+    message = problems(registries, tmp_path, parallelism={"expert_parallel_size": 2})
+    assert "parallelism.expert_parallel_size: 2 needs a model plugin that provides experts" in message
+
+
+def test_schedule_needing_more_microbatches(registries, tmp_path):
+    message = problems(
+        registries,
+        tmp_path,
+        parallelism={"pp": 2, "pp_engine": "interleaved", "pp_virtual_stages": 2},
+        tokens={"batch_accumulation_per_replica": 3},
+    )
+    assert "tokens.batch_accumulation_per_replica" in message and "interleaved" in message
+
+
+def test_layout_must_match_the_launch(registries, tmp_path):
+    message = problems(registries, tmp_path, world_size=8, parallelism={"dp": 2, "tp": 2})
+    assert "dp x tp x pp = 2 x 2 x 1 = 4 but the launch has 8 process(es)" in message
+
+
+def test_zero_stage_nobody_provides(registries, tmp_path):
+    message = problems(registries, tmp_path, optimizer={"zero_stage": 3})
+    assert "optimizer.zero_stage: no plugin provides ZeRO stage 3; installed stages: 0, 1" in message
+
+
+def test_unknown_schedule_and_tp_mode_list_installed(registries, tmp_path):
+    message = problems(registries, tmp_path, parallelism={"pp_engine": "zb", "tp_mode": "RING"})
+    assert "unknown pp engine 'zb'" in message and "1f1b, afab, interleaved" in message
+    assert "unknown tp mode 'RING'" in message and "ALL_REDUCE, REDUCE_SCATTER" in message

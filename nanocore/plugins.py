@@ -139,7 +139,7 @@ class PluginSet:
             for kind, (hook_name, _) in REGISTRY_KINDS.items():
                 registry = registries[kind]
                 hook = getattr(self.pm.hook, hook_name)
-                for impl in reversed(hook.get_hookimpls()):  # registration order
+                for impl in hook.get_hookimpls():  # registration order: entry points, then local plugins
                     registry.current_plugin = impl.plugin_name
                     try:
                         impl.function(**{a: registry for a in impl.argnames})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 import attrs
 import cattrs
@@ -75,6 +75,49 @@ def make_converter(registries: Registries | None) -> cattrs.Converter:
     conv.register_structure_hook(str, _strict(str, "a string"))
     conv.register_structure_hook(Any, lambda v, _: v)
 
+    def attrs_from_mapping(cls: type) -> Any:
+        # cattrs' generated hook fails with AttributeError on a list or scalar; say what was expected.
+        inner = cattrs.gen.make_dict_structure_fn(cls, conv)
+
+        def structure(value: Any, _: type) -> Any:
+            if not isinstance(value, dict):
+                raise _Leaf(f"expected a mapping, got {_describe(value)}")
+            return inner(value, cls)
+
+        return structure
+
+    conv.register_structure_hook_factory(attrs.has, attrs_from_mapping)
+
+    def list_of(value: Any, cls: type) -> list:
+        # cattrs would iterate a string character by character, or fail with a TypeError on null.
+        if not isinstance(value, list):
+            raise _Leaf(f"expected a list, got {_describe(value)}")
+        (item_type,) = get_args(cls) or (Any,)
+        out, problems = [], []
+        for i, item in enumerate(value):
+            try:
+                out.append(conv.structure(item, item_type))
+            except Exception as exc:
+                exc.__notes__ = [*getattr(exc, "__notes__", []), IterableValidationNote(f"@ index {i}", i, item_type)]
+                problems.append(exc)
+        if problems:
+            raise cattrs.errors.IterableValidationError("While structuring a list", problems, list)
+        return out
+
+    conv.register_structure_hook_func(lambda t: get_origin(t) is list, list_of)
+
+    def mapping_of(cls: type) -> Any:
+        inner = conv.gen_structure_mapping(cls)
+
+        def structure(value: Any, _: type) -> dict:
+            if not isinstance(value, dict):
+                raise _Leaf(f"expected a mapping, got {_describe(value)}")
+            return inner(value, cls)
+
+        return structure
+
+    conv.register_structure_hook_factory(lambda t: get_origin(t) is dict, mapping_of)
+
     def plugin_args(registry: Registry | None, name: str, raw: dict, key: str) -> Any:
         if registry is None:
             return raw or None
@@ -97,7 +140,10 @@ def make_converter(registries: Registries | None) -> cattrs.Converter:
 
     def structure_model(value: Any, _: type) -> ModelArgs:
         raw = mapping(value, "a mapping with model_config")
-        model_config = mapping(raw.get("model_config", {}), "a mapping (the model's config)")
+        model_config = raw.get("model_config", {})
+        if not isinstance(model_config, dict):
+            raise _Wrapped("model_config", f"expected a mapping (the model's config), got {_describe(model_config)}")
+        model_config = dict(model_config)
         model_type = model_config.pop("model_type", None)
         if model_config.pop("is_llama_config", None) and model_type is None:
             model_type = "llama"
@@ -140,16 +186,7 @@ def make_converter(registries: Registries | None) -> cattrs.Converter:
 
     def structure_dataset_list(value: Any, _: type) -> list[DatasetSpec]:
         items = [{"format": "dummy"}] if value is None else value if isinstance(value, list) else [value]
-        out, problems = [], []
-        for i, item in enumerate(items):
-            try:
-                out.append(structure_dataset(item, DatasetSpec))
-            except Exception as exc:
-                exc.__notes__ = [*getattr(exc, "__notes__", []), IterableValidationNote(f"@ index {i}", i, DatasetSpec)]
-                problems.append(exc)
-        if problems:
-            raise cattrs.errors.IterableValidationError("While structuring datasets", problems, list)
-        return out
+        return list_of(items, list[DatasetSpec])
 
     conv.register_structure_hook_func(lambda t: t == list[DatasetSpec], structure_dataset_list)
 
@@ -278,10 +315,16 @@ def structure_config(raw: Any, registries: Registries | None) -> Config:
         log.warning("config sections not used by nanocore (ignored): %s", ", ".join(ignored))
     conv = make_converter(registries)
     try:
-        return conv.structure(raw, Config)
+        config = conv.structure(raw, Config)
     except Exception as exc:
         problems = collect_problems(exc)
         raise ConfigError(problems) from None
+    if registries is None:
+        return config
+    # Omitted sections get attrs defaults, built without the registries (an optimizer's or a logger's
+    # options stay None); structuring the dumped form once more gives them the plugins' classes, so
+    # that YAML -> config -> YAML -> config is a fixed point.
+    return conv.structure(conv.unstructure(config), Config)
 
 
 def unstructure_config(config: Config) -> dict:

@@ -156,7 +156,10 @@ class DatasetSpec:
 class DataArgs:
     """Data for one stage."""
 
-    dataset: list[DatasetSpec] = doc("One dataset, a list (a weighted mixture), or null for random tokens.", factory=list)
+    dataset: list[DatasetSpec] = doc(
+        "One dataset, a list (a weighted mixture), or null (the default) for random tokens.",
+        factory=lambda: [DatasetSpec("dummy")],
+    )
     validation_dataset: list[DatasetSpec] | None = doc("Data for validation passes (same forms as dataset).", default=None)
     seed: int | None = doc("Data order seed; default general.seed.", default=None)
     num_loading_workers: int = doc("DataLoader worker processes.", default=0)

@@ -101,7 +101,7 @@ def build_local_model(
                     model.set_submodule(name, nn.Identity())
 
     # Canonical names: a tied parameter is initialised and saved under its first name everywhere.
-    local = dict(model.named_parameters())
+    local = dict(model.named_parameters(remove_duplicate=False))
     canonical = {name: name for name in local}
     replica_of_tied: set[str] = set()
     for first, second in tied:
@@ -112,10 +112,11 @@ def build_local_model(
 
     placements = {name: get_placement(p) for name, p in model.named_parameters(remove_duplicate=False)}
     extras = {name: {k: v for k, v in vars(p).items()} for name, p in model.named_parameters(remove_duplicate=False)}
-    model.to_empty(device=device)
+    nn.Module.to_empty(model, device=device)  # not a model override: the engine re-ties below
     for first, second in tied:  # to_empty replaces each module's parameters separately
         if first in local and second in local:
-            model.get_submodule(second.rsplit(".", 1)[0]).weight = model.get_parameter(first)
+            parent, attr = second.rsplit(".", 1)
+            setattr(model.get_submodule(parent), attr, model.get_parameter(first))
     _materialise(model, model, seed, placements, extras, canonical, dtype)
     return LocalModel(
         module=model,

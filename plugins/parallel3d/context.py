@@ -43,6 +43,7 @@ class ParallelContext:
         self.distributed = self.world_size > 1
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.tied_group = None
         self.pp_group_ranks: list[int] = [self.rank]
+        self.p2p_groups: tuple = (None, None)
         if self.distributed:
             if not dist.is_initialized():
                 # env:// rendezvous: torchrun sets MASTER_ADDR/PORT, RANK, WORLD_SIZE
@@ -71,8 +72,12 @@ class ParallelContext:
         for d, t in product(range(self.dp), range(self.tp)):
             ranks = [self.global_rank(d, p, t) for p in range(self.pp)]
             g = group(ranks)
+            # one communicator per direction: NCCL matches messages in posting order, and each
+            # direction's messages are posted in a consistent order (tested per schedule)
+            forward, backward = group(ranks), group(ranks)
             if self.rank in ranks:
                 self.pp_group, self.pp_group_ranks = g, ranks
+                self.p2p_groups = (forward, backward)
             # tied parameters (embeddings) live on the first and last pipeline stage
             tied = sorted({ranks[0], ranks[-1]})
             tg = group(tied)

@@ -210,8 +210,10 @@ class Engine3D:
 
     def _tied_local(self) -> list[torch.nn.Parameter]:
         """Local parameters that are one side of a tied pair split across the first and last stage."""
-        out = []
-        names = dict(self.model.named_parameters())
+        out: list[torch.nn.Parameter] = []
+        if self.ctx.pp == 1:
+            return out
+        names = dict(self.model.named_parameters(remove_duplicate=False))
         for first, second in getattr(self.model, "tied_parameters", []):
             if (first in names) != (second in names):
                 out.append(names.get(first, names.get(second)))

@@ -39,20 +39,20 @@ class P2P:
         header = torch.zeros(_HEADER, dtype=torch.long, device=tensor.device)
         header[0] = tensor.dim()
         header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
-        tag = self._tag(key)
-        self.pending.append(dist.isend(header, dst, tag=2 * tag))
-        self.pending.append(dist.isend(tensor.contiguous(), dst, tag=2 * tag + 1))
+        tag, group = self._tag(key), self.ctx.p2p_groups[key[0]]
+        self.pending.append(dist.isend(header, dst, group=group, tag=2 * tag))
+        self.pending.append(dist.isend(tensor.contiguous(), dst, group=group, tag=2 * tag + 1))
 
     def recv(self, src_pp_rank: int, key: tuple[int, int, int]) -> torch.Tensor:
         if src_pp_rank == self.ctx.pp_rank:
             return self.local.pop(key)
         src = self.ctx.pp_peer(src_pp_rank)
-        tag = self._tag(key)
+        tag, group = self._tag(key), self.ctx.p2p_groups[key[0]]
         header = torch.empty(_HEADER, dtype=torch.long, device=self.ctx.device)
-        dist.irecv(header, src, tag=2 * tag).wait()
+        dist.irecv(header, src, group=group, tag=2 * tag).wait()
         shape = header[1 : 1 + int(header[0])].tolist()
         out = torch.empty(shape, dtype=self.dtype, device=self.ctx.device)
-        dist.irecv(out, src, tag=2 * tag + 1).wait()
+        dist.irecv(out, src, group=group, tag=2 * tag + 1).wait()
         return out
 
     def _tag(self, key: tuple[int, int, int]) -> int:

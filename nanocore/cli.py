@@ -7,9 +7,13 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 
+from nanocore import generate_cmd  # light: torch is imported when the command runs
 from nanocore.errors import NanocoreError
+
+ERROR_GRACE_S = 10.0  # how long ranks other than 0 wait before exiting on a user error
 
 
 def _rank() -> int:
@@ -95,6 +99,17 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from nanocore import convert
+
+    setup_logging()
+    if args.to_hf:
+        convert.to_hf(args.source, args.dest, args.plugin, args.dtype)
+    else:
+        convert.from_hf(args.source, args.dest, args.plugin)
+    return 0
+
+
 def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanocore", description="nanocore: plugin-based 3D-parallel LLM pretraining")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +125,18 @@ def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train (same as run_train.py)")
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("generate", help="continue a prompt with a checkpoint's model (same as run_generate.py)")
+    generate_cmd.add_arguments(p)
+    p.set_defaults(func=generate_cmd.run)
+    p = sub.add_parser("convert", help="convert a checkpoint to a Hugging Face transformers folder, or back")
+    direction = p.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--to-hf", action="store_true", help="SOURCE: nanocore checkpoint; DEST: new HF folder")
+    direction.add_argument("--from-hf", action="store_true", help="SOURCE: HF folder; DEST: new checkpoints folder")
+    p.add_argument("source", help="checkpoints folder (follows latest.txt) or step folder; or an HF model folder")
+    p.add_argument("dest", help="output folder (must not exist or be empty)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="--to-hf: cast the weights")
+    p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE")
+    p.set_defaults(func=cmd_convert)
     for name, entry in plugin_commands.items():
         p = sub.add_parser(name, help=entry.description or f"provided by plugin {entry.plugin}")
         add = entry.extras.get("add_arguments")
@@ -121,7 +148,7 @@ def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
 
 def _plugin_commands(argv: Sequence[str]) -> dict:
     """Commands registered by plugins; only loaded when the command is not a built-in one."""
-    builtin = {"plugins", "config", "train", "-h", "--help"}
+    builtin = {"plugins", "config", "train", "generate", "convert", "-h", "--help"}
     if argv and argv[0] in builtin - {"-h", "--help"}:
         return {}
     from nanocore.plugins import load_plugins
@@ -140,6 +167,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     except NanocoreError as exc:
         if _rank() == 0:
             print(f"nanocore: error: {exc}", file=sys.stderr)
+        else:
+            # torchrun stops every rank as soon as one exits with an error: wait, so that rank 0's message
+            # is printed before rank 0 is terminated (torchrun ends this wait when rank 0 exits).
+            time.sleep(ERROR_GRACE_S)
         return 2
     except KeyboardInterrupt:
         return 130

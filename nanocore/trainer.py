@@ -28,6 +28,7 @@ from nanocore.checkpoint.folder import (
 from nanocore.checkpoint.tensors import ShardReader, write_shards
 from nanocore.config import Config, unstructure_config
 from nanocore.config.load import LoadedConfig
+from nanocore.convert import init_reader
 from nanocore.data.api import DatasetContext
 from nanocore.data.build import build_mixture, build_tokenizer, cache_dir, check_vocab
 from nanocore.data.schedule import DataSchedule
@@ -128,15 +129,15 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------
     def _maybe_resume(self) -> None:
         cfg = self.config.checkpoints
-        if self.config.model.init_method.path and not cfg.resume_checkpoint_path:
-            folder = resolve_checkpoint(self.config.model.init_method.path)
-            self.engine.load_model(ShardReader(folder / "model"))
-            log.info("initialised weights from %s", folder)
         path = cfg.resume_checkpoint_path
-        if not path:
-            return
-        if Path(path).resolve() == self.checkpoint_root.resolve() and not (Path(path) / "latest.txt").exists():
+        if path and Path(path).resolve() == self.checkpoint_root.resolve() and not (Path(path) / "latest.txt").exists():
             log.info("no checkpoint in %s yet: starting from scratch", path)
+            path = None
+        if not path:
+            init = self.config.model.init_method.path
+            if init:  # a nanocore checkpoint or a Hugging Face folder
+                self.engine.load_model(init_reader(init, self.config.model, self.registries))
+                log.info("initialised weights from %s", init)
             return
         folder = resolve_checkpoint(path)
         meta = read_json(folder / "meta.json")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from nanocore_plugins.llama.config import LlamaConfig
-from nanocore_plugins.llama.model import LlamaForCausalLM
-
 from nanocore import hookimpl
 from nanocore.config.schema import ModelArgs
 from nanocore.errors import ConfigError
+from nanocore_plugins.llama import hf
+from nanocore_plugins.llama.config import LlamaConfig
+from nanocore_plugins.llama.model import LlamaForCausalLM
 
 
 def build(model_args: ModelArgs, *, vocab_multiple: int = 1) -> LlamaForCausalLM:
@@ -32,4 +32,7 @@ def register_models(registry):
         build,
         config_class=LlamaConfig,
         description="LLaMA 1/2/3 decoder (RMSNorm, RoPE, GQA, SwiGLU); transformers-compatible weight names",
+        hf_architectures=hf.ARCHITECTURES,
+        to_hf=hf.to_hf,
+        from_hf=hf.from_hf,
     )

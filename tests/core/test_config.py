@@ -102,7 +102,7 @@ MISTAKES = {
     ),
     "unknown model type": (
         {"model.model_config.model_type": "mamba"},
-        ["model.model_config.model_type: unknown model 'mamba'; installed: llama"],
+        ["model.model_config.model_type: unknown model 'mamba'; installed: ", "llama"],
     ),
     "unknown pp_engine": (
         {"parallelism": {"pp_engine": "1f1c"}},
@@ -251,7 +251,7 @@ def test_run_train_reports_type_and_key_mistakes(tmp_path):
     lines = problems(result.stderr)
     assert_reported(lines, "parallelism.tp: expected an integer, got 'two'")
     assert_reported(lines, "parallelism: unknown key 'pipline' (did you mean")
-    assert_reported(lines, "model.model_config.model_type: unknown model 'mamba'; installed: llama")
+    assert_reported(lines, "model.model_config.model_type: unknown model 'mamba'; installed: ", "llama")
 
 
 def test_nanocore_config_command_reports_world_size(tmp_path):

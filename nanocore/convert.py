@@ -1,0 +1,318 @@
+"""Hugging Face transformers interop, generic over model plugins.
+
+`nanocore convert --to-hf CHECKPOINT OUT_DIR` writes `config.json` + `model.safetensors` that
+`transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads; `nanocore convert --from-hf
+HF_DIR OUT` writes a step-0 nanocore checkpoint; and `model.init_method.path` may name an HF folder,
+whose weights then start a run at any (dp, tp, pp).
+
+The core only moves files and full tensors. A model plugin that speaks transformers declares, in
+the extras of its model registry entry:
+
+- `hf_architectures`: the `architectures` names of config.json it converts (["LlamaForCausalLM"]);
+- `to_hf(model_config, state) -> (hf_config: dict, hf_state: dict)`: from full tensors as a
+  checkpoint holds them (vocabulary possibly padded, a tied pair once);
+- `from_hf(hf_config: dict, hf_state: dict) -> (model_config, state)`: to the tensors the model's
+  `named_parameters()` lists, unpadded.
+
+Weights are read from safetensors only: pickled `.bin` files are refused, never unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from nanocore.checkpoint.folder import FORMAT_VERSION, begin_save, finish_save, resolve_checkpoint, write_json
+from nanocore.checkpoint.tensors import ShardedTensor, ShardReader, write_shards
+from nanocore.config import Config, GeneralArgs, ModelArgs, TokenizerArgs, read_yaml, unstructure_config
+from nanocore.errors import ConfigError, NanocoreError, PluginError
+from nanocore.registry import Entry, Registries
+from nanocore.sharding import Placement
+
+log = logging.getLogger("nanocore")
+
+HF_CONFIG = "config.json"
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@attrs.define
+class HFModel:
+    """An HF folder converted for nanocore: the model plugin's entry, its config and full tensors."""
+
+    entry: Entry
+    model_config: Any
+    state: dict[str, torch.Tensor]
+    folder: Path
+
+
+# -- reading HF folders -------------------------------------------------------------------------
+def is_hf_folder(path: str | Path) -> bool:
+    """A transformers model folder: config.json naming its `architectures`, and not a nanocore step folder."""
+    path = Path(path)
+    if not (path / HF_CONFIG).is_file() or (path / "meta.json").exists():
+        return False
+    try:
+        return "architectures" in json.loads((path / HF_CONFIG).read_text())
+    except (json.JSONDecodeError, TypeError):
+        return False
+
+
+def hf_entry(registries: Registries, hf_config: dict[str, Any], folder: Path) -> Entry:
+    """The model plugin whose `hf_architectures` include one of config.json's `architectures`."""
+    wanted = hf_config.get("architectures") or []
+    supported: dict[str, str] = {}
+    for entry in registries.model:
+        for arch in entry.extras.get("hf_architectures", ()):
+            supported[arch] = entry.name
+    for arch in wanted:
+        if arch in supported:
+            return registries.model.get(supported[arch])
+    known = ", ".join(f"{a} (model type {n})" for a, n in sorted(supported.items())) or "none"
+    raise PluginError(
+        f"{folder / HF_CONFIG}: architectures {wanted}: no installed model plugin converts them; "
+        f"supported: {known}. A model plugin adds one with hf_architectures/from_hf/to_hf in its registry entry."
+    )
+
+
+def read_hf_state(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files (one file, or shards listed by the index)."""
+    index = folder / HF_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise NanocoreError(
+                f"{folder} has only pickled weights ({', '.join(pickles)}); nanocore reads safetensors only and never "
+                "unpickles files (loading a pickle can run arbitrary code). If you trust the files, convert them once "
+                "with transformers: AutoModelForCausalLM.from_pretrained(folder).save_pretrained(out, "
+                "safe_serialization=True)"
+            )
+        raise NanocoreError(f"{folder} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise NanocoreError(f"{index} lists {file.name}, which is missing")
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                state[key] = f.get_tensor(key)
+    return state
+
+
+def load_hf(folder: str | Path, registries: Registries) -> HFModel:
+    """Read an HF folder and convert it with the model plugin's `from_hf`; checks every tensor's shape."""
+    folder = Path(folder)
+    if not (folder / HF_CONFIG).is_file():
+        raise NanocoreError(f"{folder} is not a Hugging Face model folder (no {HF_CONFIG})")
+    hf_config = json.loads((folder / HF_CONFIG).read_text())
+    entry = hf_entry(registries, hf_config, folder)
+    model_config, state = entry.extras["from_hf"](hf_config, read_hf_state(folder))
+    _check_tensors(entry, model_config, state, folder)
+    return HFModel(entry, model_config, state, folder)
+
+
+def _check_tensors(entry: Entry, model_config: Any, state: dict[str, torch.Tensor], source: Path) -> None:
+    """The converted tensors are exactly the model's parameters, with their shapes."""
+    with torch.device("meta"):
+        model = entry.factory(ModelArgs(model_config=model_config, model_type=entry.name))
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    problems = [f"missing tensor {n}" for n in expected if n not in state]
+    problems += [f"unexpected tensor {n}" for n in state if n not in expected]
+    problems += [
+        f"{n}: shape {list(state[n].shape)}, the model needs {list(s)}"
+        for n, s in expected.items()
+        if n in state and tuple(state[n].shape) != s
+    ]
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise NanocoreError(f"the weights in {source} do not fit model type {entry.name!r} with their config: {shown}")
+
+
+# -- in-memory reader for engines --------------------------------------------------------------
+class StateReader:
+    """`ShardReader`'s read API over full tensors held in memory (weights converted from another format).
+
+    Rows past a tensor's stored ones (the vocabulary padding an engine adds for tensor parallelism)
+    read as zeros; the loss and generation never use them.
+    """
+
+    def __init__(self, state: dict[str, torch.Tensor], source: str):
+        self.state, self.source = state, source
+
+    def names(self) -> list[str]:
+        return sorted(self.state)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.state
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
+
+    def read(
+        self, name: str, placement: Placement, shape: tuple[int, ...], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        if name not in self.state:
+            raise NanocoreError(f"{self.source} has no tensor {name!r}")
+        full, want = self.state[name], tuple(placement.full_shape)
+        have = tuple(full.shape)
+        if have != want:
+            if not (len(have) == len(want) and have[1:] == want[1:] and have[0] < want[0]):
+                raise NanocoreError(
+                    f"{self.source}: tensor {name!r} has shape {list(have)}, the model expects {list(want)}"
+                )
+            full = torch.cat([full, full.new_zeros((want[0] - have[0], *have[1:]))])
+        return full[placement.slices(shape)].to(dtype or full.dtype).clone()
+
+
+def init_reader(path: str | Path, model_args: ModelArgs, registries: Registries) -> ShardReader | StateReader:
+    """A reader over the weights `model.init_method.path` names: an HF folder or a nanocore checkpoint.
+
+    An HF folder's converted model config must equal the YAML's `model.model_config`.
+    """
+    if not is_hf_folder(path):
+        return ShardReader(resolve_checkpoint(path) / "model")
+    hf = load_hf(path, registries)
+    problems = model_differences(model_args, hf.entry.name, hf.model_config)
+    if problems:
+        hint = (
+            f"set these as in {Path(path) / HF_CONFIG} (`nanocore convert --from-hf` writes the matching config.yaml)"
+        )
+        raise ConfigError([f"{p}, but model.init_method.path {str(path)!r} holds {v}" for p, v in problems] + [hint])
+    return StateReader(hf.state, str(path))
+
+
+def model_differences(model_args: ModelArgs, model_type: str, model_config: Any) -> list[tuple[str, str]]:
+    """(YAML path with the YAML's value, the other value) for every field that differs."""
+
+    def show(value: Any) -> str:  # YAML-like: null, true, {"factor": 8.0}
+        return json.dumps(value, default=str)
+
+    if model_args.model_type != model_type:
+        return [(f"model.model_config.model_type: the YAML has {show(model_args.model_type)}", show(model_type))]
+    mine, theirs = model_args.model_config, model_config
+    if not (attrs.has(type(mine)) and attrs.has(type(theirs))):
+        return [] if mine == theirs else [(f"model.model_config: the YAML has {mine!r}", repr(theirs))]
+    a, b = attrs.asdict(mine), attrs.asdict(theirs)
+    return [(f"model.model_config.{k}: the YAML has {show(a[k])}", show(b.get(k))) for k in a if a[k] != b.get(k)]
+
+
+# -- nanocore checkpoint -> HF ------------------------------------------------------------------
+def checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
+    """Every full tensor of a checkpoint's model, assembled from the pieces whatever layout wrote them."""
+    reader = ShardReader(folder / "model")
+    if not reader.names():
+        raise NanocoreError(f"checkpoint {folder} has no model weights")
+    return {n: reader.read(n, Placement.whole(reader.full_shape(n)), reader.full_shape(n)) for n in reader.names()}
+
+
+def to_hf(checkpoint: str | Path, out_dir: str | Path, plugins: Sequence[str] = (), dtype: str | None = None) -> Path:
+    """Write checkpoint's model as a transformers folder (config.json, model.safetensors, tokenizer files)."""
+    from nanocore.generate_cmd import _checkpoint_plugins, _structure_section
+    from nanocore.plugins import load_plugins
+
+    folder = resolve_checkpoint(checkpoint)
+    raw = read_yaml(folder / "config.yaml")
+    if not isinstance(raw, dict):
+        raise NanocoreError(f"{folder / 'config.yaml'} is not a nanocore config")
+    found, missing = _checkpoint_plugins([str(p) for p in raw.get("plugins") or []], folder)
+    registries = load_plugins(list(plugins) + found).registries
+    model_args: ModelArgs = _structure_section(raw, "model", ModelArgs, registries, missing)
+    entry = registries.model.get(model_args.model_type, path="model.model_config.model_type")
+    if "to_hf" not in entry.extras:
+        raise PluginError(f"model type {entry.name!r} (plugin {entry.plugin!r}) has no Hugging Face conversion (to_hf)")
+    out = _empty_folder(out_dir)
+    hf_config, hf_state = entry.extras["to_hf"](model_args.model_config, checkpoint_state(folder))
+    write_hf(out, hf_config, hf_state, dtype)
+    _copy_tokenizer((raw.get("tokenizer") or {}).get("tokenizer_name_or_path"), out)
+    log.info("wrote %s (step %s of %s) as a transformers folder", out, folder.name, folder.parent)
+    return out
+
+
+def write_hf(out: Path, hf_config: dict[str, Any], hf_state: dict[str, torch.Tensor], dtype: str | None = None) -> None:
+    """config.json (with `torch_dtype` of the tensors) and one model.safetensors."""
+    if dtype is not None:
+        hf_state = {k: v.to(getattr(torch, dtype)) for k, v in hf_state.items()}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in hf_state.items()}
+    dtypes = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    if dtypes:
+        hf_config = {**hf_config, "torch_dtype": str(max(set(dtypes), key=dtypes.count)).removeprefix("torch.")}
+    save_file(tensors, str(out / HF_WEIGHTS), metadata={"format": "pt"})  # transformers wants the format key
+    (out / HF_CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+
+
+def _copy_tokenizer(name_or_path: Any, out: Path) -> None:
+    path = Path(str(name_or_path)) if name_or_path else None
+    if path is None or not path.exists():
+        return  # a registered tokenizer such as `byte` (no files), or none
+    if path.is_file():
+        shutil.copyfile(path, out / "tokenizer.json")
+        return
+    for name in TOKENIZER_FILES:
+        if (path / name).is_file():
+            shutil.copyfile(path / name, out / name)
+
+
+def _empty_folder(path: str | Path) -> Path:
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise NanocoreError(f"output {path} already exists and is not an empty folder; choose a new one")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# -- HF -> nanocore checkpoint ------------------------------------------------------------------
+def from_hf(hf_dir: str | Path, out: str | Path, plugins: Sequence[str] = ()) -> Path:
+    """Write an HF folder as a nanocore checkpoints folder (step 0 + latest.txt); returns the step folder.
+
+    Its config.yaml is a complete, runnable config (defaults everywhere but the model and the
+    tokenizer), usable by `nanocore generate`, `checkpoints.resume_checkpoint_path` and
+    `model.init_method.path`.
+    """
+    from nanocore.config.checks import check_config
+    from nanocore.plugins import load_plugins
+
+    hf_dir = Path(hf_dir)
+    registries = load_plugins(plugins).registries
+    hf = load_hf(hf_dir, registries)
+    tokenizer = str(hf_dir.resolve()) if (hf_dir / "tokenizer.json").is_file() else None
+    config = Config(
+        model=ModelArgs(model_config=hf.model_config, model_type=hf.entry.name),
+        general=GeneralArgs(run=hf_dir.resolve().name or "run"),
+        tokenizer=TokenizerArgs(tokenizer_name_or_path=tokenizer),
+    )
+    check_config(config, registries, world_size=None)
+    root = _empty_folder(out)
+    tmp = begin_save(root, 0, True, lambda: None)
+    shards = [ShardedTensor(n, t, Placement.whole(t.shape)) for n, t in sorted(hf.state.items())]
+    write_shards(tmp / "model" / "rank-00000.safetensors", shards)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": 0,
+        "consumed_tokens": 0,
+        "topology": {"dp": 1, "tp": 1, "pp": 1, "world_size": 1},
+        "data": {"consumed_samples": {}},
+        "lr_scheduler": {"step": 0},
+        "model_type": hf.entry.name,
+        "converted_from": str(hf_dir.resolve()),
+    }
+    write_json(tmp / "meta.json", meta)
+    (tmp / "config.yaml").write_text(yaml.safe_dump(unstructure_config(config), sort_keys=False))
+    folder = finish_save(root, 0, True, lambda: None)
+    log.info("wrote %s as nanocore checkpoint %s", hf_dir, folder)
+    return folder

@@ -1,0 +1,149 @@
+"""LLaMA <-> Hugging Face transformers' `LlamaForCausalLM`: the config mapping and the state dict rules.
+
+Parameter names already equal transformers' (see model.py), so the state dict passes through; what
+changes is (1) the config, (2) the tied head: transformers saves no `lm_head.weight` when
+`tie_word_embeddings` is set, and nanocore lists a tied pair once, under the embedding's name, and
+(3) the vocabulary padding nanocore adds for tensor parallelism, dropped on export.
+
+config.json is written in the long-standing form (`rope_theta` + `rope_scaling`, `torch_dtype`),
+which transformers 4.x reads natively and 5.x converts to `rope_parameters`; both forms are read.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+import torch
+
+from nanocore.errors import ConfigError
+from nanocore_plugins.llama.config import LlamaConfig
+
+log = logging.getLogger("nanocore")
+
+ARCHITECTURES = ["LlamaForCausalLM"]
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# Buffers some old transformers versions saved with the weights: recomputed, never needed.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# transformers' LlamaConfig defaults, used for keys a config.json leaves out.
+HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "use_cache": True,
+    "pad_token_id": None,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pretraining_tp": 1,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+}
+# Copied one to one between config.json and LlamaConfig.
+SAME_FIELDS = [k for k in HF_DEFAULTS if k not in ("num_key_value_heads", "bos_token_id", "eos_token_id", "rope_theta")]
+
+
+def to_hf(config: LlamaConfig, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """nanocore config + full tensors (vocabulary possibly padded) -> transformers config.json + state dict."""
+    problems = config.problems()
+    if problems:
+        raise ConfigError([f"model.model_config.{p}" for p in problems])
+    hf_config: dict[str, Any] = {
+        "architectures": list(ARCHITECTURES),
+        "model_type": "llama",
+        **{key: getattr(config, key) for key in SAME_FIELDS},
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": dict(config.rope_scaling) if config.rope_scaling else None,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+    }
+    hf_state: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name == HEAD and config.tie_word_embeddings:
+            continue  # transformers re-ties lm_head to the embedding on load
+        if name in (EMBEDDING, HEAD):
+            tensor = tensor[: config.vocab_size]  # rows past the tokenizer's vocabulary are tp padding
+        hf_state[name] = tensor
+    return hf_config, hf_state
+
+
+def from_hf(
+    hf_config: dict[str, Any], hf_state: dict[str, torch.Tensor]
+) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """transformers config.json + state dict -> nanocore `LlamaConfig` + the tensors `named_parameters()` lists."""
+    # A null means transformers' default, except for token ids, where it means "none".
+    nullable = ("bos_token_id", "eos_token_id")
+    c = {**HF_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None or k in nullable}}
+    problems = _unsupported(c)
+    theta, scaling = _rope(c)
+    fields = {key: c[key] for key in SAME_FIELDS}
+    fields["num_key_value_heads"] = c["num_key_value_heads"]
+    fields["bos_token_id"] = _single_id(c, "bos_token_id")
+    fields["eos_token_id"] = _single_id(c, "eos_token_id")
+    config = LlamaConfig(**fields, rope_theta=float(theta), rope_scaling=scaling)
+    if not problems:
+        problems = config.problems()
+    if problems:
+        raise ConfigError([f"config.json: {p}" for p in problems])
+    state = {k: v for k, v in hf_state.items() if not k.endswith(IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        state.pop(HEAD, None)  # one tensor for the tied pair, under the embedding's name
+    return config, state
+
+
+def _unsupported(c: dict[str, Any]) -> list[str]:
+    """config.json settings that change what the model computes and that nanocore's LLaMA lacks."""
+    p = []
+    if c.get("mlp_bias"):
+        p.append("mlp_bias: true is not supported (nanocore's LLaMA MLP has no biases)")
+    head_dim = c.get("head_dim")
+    if head_dim is not None and head_dim * c["num_attention_heads"] != c["hidden_size"]:
+        p.append(
+            f"head_dim: {head_dim} x num_attention_heads {c['num_attention_heads']} != hidden_size {c['hidden_size']}; "
+            "nanocore's LLaMA needs head_dim = hidden_size / num_attention_heads"
+        )
+    if c.get("attention_dropout"):
+        log.warning("config.json: attention_dropout %s is ignored (nanocore has no dropout)", c["attention_dropout"])
+    return p
+
+
+def _rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either transformers 4 keys or transformers 5's `rope_parameters`."""
+    params = c.get("rope_parameters")
+    if isinstance(params, dict):
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        theta = params.get("rope_theta", c["rope_theta"])
+    else:
+        scaling, theta = dict(c.get("rope_scaling") or {}), c["rope_theta"]
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("config.json: rope partial_rotary_factor != 1 is not supported by nanocore's LLaMA")
+    scaling.pop("partial_rotary_factor", None)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return theta, (scaling if kind != "default" else None)
+
+
+def _single_id(c: dict[str, Any], key: str) -> int:
+    """nanocore keeps one token id; LLaMA 3.1 lists several end-of-sequence ids (the first is kept)."""
+    value = c[key]
+    if isinstance(value, list):
+        if len(value) > 1:
+            log.warning("config.json: %s %s: nanocore keeps the first, %s", key, value, value[0])
+        value = value[0] if value else None
+    if value is None:
+        default = attrs.fields_dict(LlamaConfig)[key].default
+        log.warning("config.json: %s is null; nanocore's LLaMA config needs a number and uses %s", key, default)
+        return default
+    return int(value)

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from nanocore_plugins.llama.config import LlamaConfig
 from torch import nn
 
 from nanocore.model_api import KVCache
+from nanocore_plugins.llama.config import LlamaConfig
 
 try:  # optional fast path on GPUs
     from flash_attn import flash_attn_func

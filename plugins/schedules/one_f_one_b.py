@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from nanocore_plugins.schedules.afab import one_chunk_problems
-
 from nanocore.pipeline_api import Action, ScheduleError
+from nanocore_plugins.schedules.afab import one_chunk_problems
 
 
 class OneFOneBSchedule:

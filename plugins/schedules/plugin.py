@@ -6,14 +6,13 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from nanocore_plugins.schedules.afab import AllForwardAllBackwardSchedule
-from nanocore_plugins.schedules.interleaved import InterleavedOneFOneBSchedule
-from nanocore_plugins.schedules.one_f_one_b import OneFOneBSchedule
-
 from nanocore import hookimpl
 from nanocore.errors import ConfigError
 from nanocore.pipeline_api import PipelineSchedule
 from nanocore.pipeline_sim import render_timeline, simulate
+from nanocore_plugins.schedules.afab import AllForwardAllBackwardSchedule
+from nanocore_plugins.schedules.interleaved import InterleavedOneFOneBSchedule
+from nanocore_plugins.schedules.one_f_one_b import OneFOneBSchedule
 
 
 def layout_check(schedule_class: type) -> Callable[[Any, Any], list[str]]:

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from nanocore.config.converter import structure_config
 from nanocore.config.checks import check_config
+from nanocore.config.converter import structure_config
 from nanocore.config.load import LoadedConfig
 from nanocore.plugins import load_plugins
 from nanocore.trainer import Trainer

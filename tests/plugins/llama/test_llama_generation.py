@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-from nanocore_plugins.llama.config import LlamaConfig
-from nanocore_plugins.llama.plugin import build
 
 from nanocore.config.schema import ModelArgs
 from nanocore.generation import generate, sample_next_token
+from nanocore_plugins.llama.config import LlamaConfig
+from nanocore_plugins.llama.plugin import build
 
 
 def model(vocab_multiple: int = 1):

@@ -10,13 +10,13 @@ import pytest
 import torch
 import transformers
 import yaml
-from nanocore_plugins.llama.config import LlamaConfig
-from nanocore_plugins.llama.plugin import build, register_models
 
 from nanocore.config.converter import make_converter
 from nanocore.config.schema import Config, ModelArgs, ParallelismArgs
 from nanocore.model_api import CausalLM, KVCache
 from nanocore.registry import Registries
+from nanocore_plugins.llama.config import LlamaConfig
+from nanocore_plugins.llama.plugin import build, register_models
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -6,15 +6,15 @@ import argparse
 import importlib.metadata
 
 import pytest
-from nanocore_plugins.schedules import plugin as schedules_plugin
-from nanocore_plugins.schedules.afab import AllForwardAllBackwardSchedule
-from nanocore_plugins.schedules.interleaved import InterleavedOneFOneBSchedule
-from nanocore_plugins.schedules.one_f_one_b import OneFOneBSchedule
 
 from nanocore.config.schema import Config, ModelArgs, ParallelismArgs, TokensArgs
 from nanocore.pipeline_api import Action, ScheduleError
 from nanocore.pipeline_sim import render_timeline, simulate
 from nanocore.plugins import PluginSet
+from nanocore_plugins.schedules import plugin as schedules_plugin
+from nanocore_plugins.schedules.afab import AllForwardAllBackwardSchedule
+from nanocore_plugins.schedules.interleaved import InterleavedOneFOneBSchedule
+from nanocore_plugins.schedules.one_f_one_b import OneFOneBSchedule
 
 AFAB, ONE_F_ONE_B, INTERLEAVED = AllForwardAllBackwardSchedule(), OneFOneBSchedule(), InterleavedOneFOneBSchedule()
 

@@ -20,13 +20,13 @@ class NanocoreSpecs:
     def register_models(self, registry):
         """Register model types: `registry.register(name, build, config_class=...)`.
 
-        `build(model_args)` returns an `nn.Module` (built on the current default device, usually meta)
+        `build(model_args, *, vocab_multiple)` returns an `nn.Module` (built on the current default device, usually meta)
         that follows `nanocore.model_api.ModelProtocol`.
         """
 
     @hookspec
     def register_parallel_engines(self, registry):
-        """Register parallel engines (`parallelism.engine`): `factory(config, env) -> Engine`."""
+        """Register parallel engines (`parallelism.engine`): `factory(config, registries) -> Engine`."""
 
     @hookspec
     def register_pipeline_engines(self, registry):
@@ -38,7 +38,8 @@ class NanocoreSpecs:
 
     @hookspec
     def register_optimizers(self, registry):
-        """Register optimizers (`optimizer.optimizer_factory.name`): `factory(param_groups, args) -> Optimizer`."""
+        """Register optimizers (`optimizer.optimizer_factory.name`):
+        `factory(param_groups, args, *, lr, weight_decay, device) -> torch.optim.Optimizer`."""
 
     @hookspec
     def register_lr_schedulers(self, registry):
@@ -46,7 +47,10 @@ class NanocoreSpecs:
 
     @hookspec
     def register_zero_stages(self, registry):
-        """Register ZeRO stages by number as a string (`optimizer.zero_stage`): '0', '1', ..."""
+        """Register ZeRO stages by number as a string (`optimizer.zero_stage`): '0', '1', ...
+
+        `factory(params: list[TrainableParam], build_optimizer, dp) -> ZeroOptimizer` (nanocore.engine_api).
+        """
 
     @hookspec
     def register_dataset_formats(self, registry):

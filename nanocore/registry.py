@@ -108,14 +108,14 @@ class Registry:
 
 # kind -> (hook name, description of the factory's signature)
 REGISTRY_KINDS: dict[str, tuple[str, str]] = {
-    "model": ("register_models", "factory(config: ModelArgs) -> nn.Module following nanocore.model_api"),
-    "parallel_engine": ("register_parallel_engines", "factory(config: Config, env: LaunchEnv) -> Engine"),
+    "model": ("register_models", "factory(model_args: ModelArgs, *, vocab_multiple: int) -> nn.Module (nanocore.model_api)"),
+    "parallel_engine": ("register_parallel_engines", "factory(config: Config, registries: Registries) -> Engine"),
     "pp_engine": ("register_pipeline_engines", "factory(config: Config) -> PipelineSchedule"),
-    "tp_mode": ("register_tp_modes", "factory() -> TP communication functions"),
-    "optimizer": ("register_optimizers", "factory(params, args, lr) -> torch.optim.Optimizer"),
-    "lr_decay": ("register_lr_schedulers", "factory(progress: float in [0, 1]) -> factor in [0, 1]"),
-    "zero_stage": ("register_zero_stages", "factory(optimizer_builder, params, context) -> optimizer"),
-    "dataset_format": ("register_dataset_formats", "factory(args, ctx: DatasetContext) -> list[(Dataset, weight)]"),
+    "tp_mode": ("register_tp_modes", "factory() -> TP mode object (column_linear, row_linear, after_embedding)"),
+    "optimizer": ("register_optimizers", "factory(param_groups, args, *, lr, weight_decay, device) -> torch.optim.Optimizer"),
+    "lr_decay": ("register_lr_schedulers", "factory(progress: float in [0, 1]) -> remaining fraction in [0, 1]"),
+    "zero_stage": ("register_zero_stages", "factory(params: list[TrainableParam], build_optimizer, dp) -> ZeroOptimizer"),
+    "dataset_format": ("register_dataset_formats", "factory(args, ctx: DatasetContext) -> list[(SampleDataset, weight)]"),
     "tokenizer": ("register_tokenizers", "factory(name_or_path: str) -> Tokenizer"),
     "logger": ("register_loggers", "factory(options, ctx: LoggerContext) -> Logger"),
     "command": ("register_commands", "factory(args: argparse.Namespace) -> int; add_arguments=fn(parser) extra"),

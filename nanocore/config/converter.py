@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -17,6 +18,7 @@ from cattrs.errors import (
     IterableValidationNote,
 )
 
+from nanocore.config.nanotron import accept_nanotron_keys, accepted_keys, warning_text
 from nanocore.config.schema import (
     Config,
     DatasetSpec,
@@ -28,9 +30,6 @@ from nanocore.errors import ConfigError
 from nanocore.registry import Registries, Registry
 
 log = logging.getLogger(__name__)
-
-# Top-level nanotron sections nanocore does not act on: accepted, listed in one warning.
-IGNORED_SECTIONS = ("lighteval", "profiler", "s3_upload", "metrics_logging", "kill_switch_path")
 
 
 class _Leaf(Exception):
@@ -285,7 +284,9 @@ def collect_problems(exc: BaseException, path: str = "") -> list[str]:
     elif isinstance(exc, ForbiddenExtraKeysError):
         known = [f.name for f in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
         for key in sorted(exc.extra_fields):
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            # nanotron keys the compatibility table accepts here count too: a typo of one is suggested its name.
+            candidates = known + [k for k in accepted_keys(path) if k != key]
+            close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(known)}"
             out.append(f"{path or '<top level>'}: unknown key {key!r}{hint}")
     elif isinstance(exc, _Wrapped):
@@ -307,18 +308,16 @@ def structure_config(raw: Any, registries: Registries | None) -> Config:
     """Raw YAML data -> Config; every problem found is reported at once as a ConfigError."""
     if not isinstance(raw, dict):
         raise ConfigError(f"<top level>: expected a mapping of config sections, got {_describe(raw)}")
-    raw = dict(raw)
-    ignored = [k for k in IGNORED_SECTIONS if k in raw]
-    for key in ignored:
-        raw.pop(key)
-    if ignored:
-        log.warning("config sections not used by nanocore (ignored): %s", ", ".join(ignored))
+    # nanotron keys nanocore does not act on are taken out here (listed once, by rank 0); typos stay errors.
+    raw, ignored = accept_nanotron_keys(raw)
     conv = make_converter(registries)
     try:
         config = conv.structure(raw, Config)
     except Exception as exc:
         problems = collect_problems(exc)
         raise ConfigError(problems) from None
+    if ignored and os.environ.get("RANK", "0") == "0":
+        log.warning(warning_text(ignored))
     if registries is None:
         return config
     # Omitted sections get attrs defaults, built without the registries (an optimizer's or a logger's

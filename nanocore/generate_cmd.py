@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from nanocore.errors import ConfigError, NanocoreError, PluginError
+from nanocore.errors import ConfigError, NanocoreError
 
 if TYPE_CHECKING:
     import torch
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_checkpoint_model(args.ckpt_path, args.plugin, args.device)
     tokenizer = loaded.tokenizer
     if tokenizer is None:
-        raise PluginError(
+        raise NanocoreError(
             f"checkpoint {loaded.folder} was trained without a tokenizer (tokenizer_name_or_path: null): "
             "there is no way to turn text into its token ids"
         )

@@ -48,6 +48,7 @@ class Trainer:
         self.config: Config = loaded.config
         self.plugins = loaded.plugins
         self.registries = loaded.plugins.registries
+        self.config_dir = loaded.path.resolve().parent if loaded.path else None
         cfg = self.config
         self.run_name = cfg.general.run.replace("%date", datetime.now().strftime("%Y%m%d_%H%M%S"))
 
@@ -174,12 +175,25 @@ class Trainer:
                 "model_type": cfg.model.model_type,
             }
             write_json(tmp / "meta.json", meta)
-            (tmp / "config.yaml").write_text(yaml.safe_dump(unstructure_config(cfg), sort_keys=False))
+            (tmp / "config.yaml").write_text(yaml.safe_dump(self._portable_config(), sort_keys=False))
         folder = finish_save(self.checkpoint_root, self.step, engine.is_main, engine.barrier)
         if engine.is_main:
             log.info("saved checkpoint %s", folder)
         self.plugins.hook.on_checkpoint_saved(step=self.step, path=folder, trainer=self)
         return folder
+
+    def _portable_config(self) -> dict:
+        """The config as trained, with local plugin files made absolute so the checkpoint stands alone."""
+        data = unstructure_config(self.config)
+        resolved = []
+        for spec in data.get("plugins", []):
+            path = Path(spec)
+            if self.config_dir is not None and (spec.endswith(".py") or "/" in spec) and not path.is_absolute():
+                path = self.config_dir / path
+                spec = str(path.resolve()) if path.exists() else spec
+            resolved.append(spec)
+        data["plugins"] = resolved
+        return data
 
     # -- the loop -------------------------------------------------------------------------
     def _log(self, metrics: dict[str, Any]) -> None:

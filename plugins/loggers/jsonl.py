@@ -32,7 +32,9 @@ def drop_rows_after(path: Path, step: int) -> None:
 
 
 class JsonlLogger:
-    """Appends `{"step": step, **metrics}` to metrics.jsonl and flushes, so the file is readable mid-run."""
+    """Appends `{"step": step, **metrics}` to metrics.jsonl and flushes, so the file is readable mid-run.
+
+    A fresh run replaces an old file; a resumed run keeps the rows up to its resume step."""
 
     def __init__(self, options: None, ctx: LoggerContext):
         log_dir = Path(ctx.log_dir)
@@ -40,6 +42,8 @@ class JsonlLogger:
         self.path = log_dir / FILENAME
         if ctx.start_step > 0 and self.path.exists():
             drop_rows_after(self.path, ctx.start_step)
+        elif self.path.exists():  # a fresh run (step 0) starts a fresh file instead of mixing two runs
+            self.path.unlink()
         self._needs_newline = self.path.exists() and self.path.stat().st_size > 0 and not _ends_with_newline(self.path)
         self.file = self.path.open("a", encoding="utf-8")
 

@@ -92,10 +92,10 @@ def test_jsonl_resume_appends_without_duplicate_steps(registries, tmp_path):
     assert rows[2] == {"step": 2, "val_lm_loss": 2.75}
 
 
-def test_jsonl_fresh_run_in_an_existing_folder_appends(registries, tmp_path):
+def test_jsonl_fresh_run_in_an_existing_folder_starts_a_new_file(registries, tmp_path):
     run(make(registries, "jsonl", context(tmp_path)), [1, 2])
     run(make(registries, "jsonl", context(tmp_path)), [1])
-    assert [r["step"] for r in read_jsonl(tmp_path)] == [1, 2, 1]
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [1]
 
 
 # -- tensorboard ------------------------------------------------------------------------------

@@ -168,9 +168,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         if _rank() == 0:
             print(f"nanocore: error: {exc}", file=sys.stderr)
         else:
-            # torchrun stops every rank as soon as one exits with an error: wait, so that rank 0's message
-            # is printed before rank 0 is terminated (torchrun ends this wait when rank 0 exits).
+            # A config error happens on every rank: rank 0 reports it, exits, and torchrun stops this
+            # rank during the wait, so the message appears once. An error of this rank alone (a file
+            # missing on one node) is still reported once the wait is over.
             time.sleep(ERROR_GRACE_S)
+            print(f"nanocore: error (rank {_rank()}): {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -147,6 +147,7 @@ class IgnoredKey:
 
     path: str
     reason: str
+    quiet: bool = False  # set to a value for which ignoring it changes nothing
 
 
 def _join(path: str, key: str | int) -> str:
@@ -184,7 +185,7 @@ def _applies(pattern: str, section: dict) -> bool:
 def accept_nanotron_keys(raw: dict) -> tuple[dict, list[IgnoredKey]]:
     """A copy of `raw` without the ignored keys and with renamed keys under their nanocore names.
 
-    Also returns the ignored keys whose values matter (what the warning lists), in table order.
+    Also returns every ignored key found, in table order, marking those at a value that changes nothing.
     """
     raw = copy.deepcopy(raw)
     found: list[IgnoredKey] = []
@@ -210,8 +211,8 @@ def accept_nanotron_keys(raw: dict) -> tuple[dict, list[IgnoredKey]]:
                 if key not in section:
                     continue
                 value = section.pop(key)
-                if not any(value == quiet and type(value) is type(quiet) for quiet in ignored.quiet):
-                    found.append(IgnoredKey(_join(path, key), ignored.reason))
+                quiet = any(value == q and type(value) is type(q) for q in ignored.quiet)
+                found.append(IgnoredKey(_join(path, key), ignored.reason, quiet))
     return raw, found
 
 
@@ -227,7 +228,11 @@ def accepted_keys(path: str) -> list[str]:
 
 
 def warning_text(ignored: list[IgnoredKey]) -> str:
-    lines = [f"  {key.path}: {key.reason}" for key in ignored]
+    """One message: keys whose value would have mattered with their reason, then the quiet ones by name."""
+    lines = [f"  {key.path}: {key.reason}" for key in ignored if not key.quiet]
+    quiet = [key.path for key in ignored if key.quiet]
+    if quiet:
+        lines.append(f"  (at a value that changes nothing) {', '.join(quiet)}")
     return (
         f"{len(ignored)} nanotron config key(s) accepted but not acted on by nanocore "
         "(see docs/migrating-from-nanotron.md):\n" + "\n".join(lines)

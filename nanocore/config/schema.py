@@ -24,10 +24,6 @@ class GeneralArgs:
     project: str = doc("Project name (used by loggers such as wandb).", default="nanocore")
     run: str = doc("Run name; `%date` is replaced by the launch time.", default="run")
     seed: int = doc("Seed for weights, data order and every rank's RNG.", default=42)
-    step: int | None = doc("Ignored on input; kept for nanotron compatibility.", default=None)
-    consumed_train_samples: int | None = doc("Ignored on input; nanotron compatibility.", default=None)
-    benchmark_csv_path: str | None = doc("Not used by nanocore (nanotron compatibility).", default=None)
-    ignore_sanity_checks: bool = doc("Skip slow runtime sanity checks.", default=True)
 
 
 @attrs.define
@@ -43,7 +39,6 @@ class CheckpointsArgs:
     )
     load_optimizer: bool = doc("Restore optimizer state on resume.", default=True)
     load_lr_scheduler: bool = doc("Restore the LR scheduler on resume.", default=True)
-    checkpoints_path_is_shared_file_system: bool = doc("All nodes see the same checkpoints folder.", default=True)
 
 
 @attrs.define
@@ -89,8 +84,6 @@ class TokenizerArgs:
 
     tokenizer_name_or_path: str | None = doc("`byte`, or a path to tokenizer.json or a tokenizer folder.", default="byte")
     tokenizer_type: str | None = doc("Force a tokenizer plugin; default: the name if registered, else `hf`.", default=None)
-    tokenizer_revision: str | None = doc("nanotron compatibility (hub revisions are not fetched).", default=None)
-    tokenizer_max_length: int | None = doc("nanotron compatibility.", default=None)
 
 
 @attrs.define
@@ -103,7 +96,6 @@ class TokensArgs:
     batch_accumulation_per_replica: int = doc("Micro-batches per step per replica.", default=1)
     val_check_interval: int = doc("Validate every N steps (-1 or 0 = never).", default=-1)
     limit_val_batches: int = doc("Global batches per validation pass.", default=0)
-    limit_test_batches: int = doc("nanotron compatibility.", default=0)
 
     @property
     def global_batch_size_per_replica(self) -> int:
@@ -162,7 +154,6 @@ class DataArgs:
     )
     validation_dataset: list[DatasetSpec] | None = doc("Data for validation passes (same forms as dataset).", default=None)
     seed: int | None = doc("Data order seed; default general.seed.", default=None)
-    num_loading_workers: int = doc("DataLoader worker processes.", default=0)
 
 
 @attrs.define

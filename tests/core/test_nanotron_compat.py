@@ -57,9 +57,18 @@ def warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "nanotron" in r.getMessage()]
 
 
+QUIET_PREFIX = "  (at a value that changes nothing) "
+
+
 def listed_paths(message: str) -> list[str]:
-    """The YAML paths the warning lists, one per indented line."""
-    return [line.strip().split(": ", 1)[0] for line in message.splitlines()[1:]]
+    """The YAML paths the warning lists with a reason, one per indented line."""
+    return [line.strip().split(": ", 1)[0] for line in message.splitlines()[1:] if not line.startswith(QUIET_PREFIX)]
+
+
+def quiet_paths(message: str) -> list[str]:
+    """The YAML paths the warning names on its last line: ignored keys at a value that changes nothing."""
+    last = message.splitlines()[-1]
+    return last[len(QUIET_PREFIX) :].split(", ") if last.startswith(QUIET_PREFIX) else []
 
 
 # -- the example ----------------------------------------------------------------------------------------
@@ -83,7 +92,9 @@ def test_nanotron_example_trains_and_warns_once(tmp_path, monkeypatch, caplog):
 
     (message,) = warnings(caplog)  # one warning for the whole run
     assert listed_paths(message) == EXAMPLE_WARNS
-    assert message.startswith("5 nanotron config key(s) accepted but not acted on by nanocore")
+    quiet = quiet_paths(message)  # the example's other ignored keys (null/off) are named too, never dropped
+    assert {"lighteval", "profiler", "s3_upload", "general.benchmark_csv_path"} <= set(quiet)
+    assert message.startswith(f"{5 + len(quiet)} nanotron config key(s) accepted but not acted on by nanocore")
     reason = IGNORED["parallelism"]["tp_recompute_allgather"].reason
     assert f"parallelism.tp_recompute_allgather: {reason}" in message
 
@@ -139,16 +150,16 @@ def test_warning_lists_every_ignored_key_set_to_a_value_that_matters(registries,
     assert config == structure_config(tiny_nanotron(), registries)  # nothing of them reached the config
 
 
-def test_ignored_keys_at_their_quiet_value_are_accepted_without_a_word(registries, caplog):
-    raw, quiet_keys = tiny_nanotron(), 0
+def test_ignored_keys_at_their_quiet_value_are_named_without_a_reason(registries, caplog):
     for pattern, keys in IGNORED.items():
         for key, ignored in keys.items():
             for value in ignored.quiet:
-                put(raw, pattern, key, copy.deepcopy(value))
-                quiet_keys += 1
-    assert quiet_keys > len(IGNORED)
-    structure_config(raw, registries)
-    assert warnings(caplog) == []
+                raw = tiny_nanotron()
+                path = put(raw, pattern, key, copy.deepcopy(value))
+                caplog.clear()
+                structure_config(raw, registries)
+                (message,) = warnings(caplog)
+                assert listed_paths(message) == [] and quiet_paths(message) == [path], (path, value)
 
 
 def test_nanotron_keys_are_read_only_where_the_section_is_written_nanotrons_way(registries, caplog):

@@ -227,7 +227,9 @@ class Trainer:
             while self.step < cfg.tokens.train_steps:
                 step = self.step + 1
                 micro_batches = self.data.next_batch(step)
-                lr = self.lr_schedule.lr_at(step)
+                # the schedule counts its own steps: equal to `step` unless a resume restarted it
+                # (checkpoints.load_lr_scheduler: false), which begins a fresh warmup and decay
+                lr = self.lr_schedule.lr_at(self.lr_schedule.step + 1)
                 start = time.perf_counter()
                 out = self.engine.train_step(micro_batches, lr)
                 elapsed = time.perf_counter() - start
@@ -239,7 +241,7 @@ class Trainer:
                         "Lower optimizer.learning_rate_scheduler.learning_rate, set optimizer.clip_grad, or check the data."
                     )
                 self.step = step
-                self.lr_schedule.step = step
+                self.lr_schedule.step += 1
                 self.consumed_tokens += self.tokens_per_step
                 losses.append(out.loss)
                 metrics = self._metrics(out, lr, elapsed)

@@ -38,7 +38,9 @@ class CheckpointsArgs:
         "A checkpoints folder with latest.txt, or one step folder, to resume from.", default=None
     )
     load_optimizer: bool = doc("Restore optimizer state on resume.", default=True)
-    load_lr_scheduler: bool = doc("Restore the LR scheduler on resume.", default=True)
+    load_lr_scheduler: bool = doc(
+        "Restore the LR scheduler on resume (false: a fresh warmup and decay start at the resumed step).", default=True
+    )
 
 
 @attrs.define

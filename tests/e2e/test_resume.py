@@ -28,7 +28,7 @@ class CrashAfter:
             raise Crash(step)
 
 
-def two_stage_config(tmp, **overrides):
+def two_stage_config(tmp, checkpoints=None, **overrides):
     stages = [
         {"name": "warm", "start_training_step": 1, "data": {"dataset": None, "seed": 1}},
         {"name": "main", "start_training_step": 4, "data": {"dataset": None, "seed": 2}},
@@ -37,7 +37,7 @@ def two_stage_config(tmp, **overrides):
         tmp,
         data_stages=stages,
         tokens={"train_steps": 8, "batch_accumulation_per_replica": 2},
-        checkpoints={"checkpoint_interval": 2},
+        checkpoints={"checkpoint_interval": 2, **(checkpoints or {})},
         **overrides,
     )
 
@@ -95,3 +95,30 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(tmp_p
     ckpts = tmp_path / "checkpoints"
     assert (ckpts / "latest.txt").read_text().strip() == "4"
     assert sorted(p.name for p in ckpts.iterdir()) == ["2", "4", "latest.txt"]
+
+
+def test_save_initial_state_writes_step_0_and_load_lr_scheduler_false_restarts_the_schedule(tmp_path):
+    config = two_stage_config(tmp_path / "a", checkpoints={"checkpoint_interval": 4, "save_initial_state": True})
+    run_training(config)
+    ckpts = tmp_path / "a" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["0", "4", "8", "latest.txt"]
+    assert json.loads((ckpts / "0" / "meta.json").read_text())["step"] == 0
+
+    def lrs_after_resume(tmp, **checkpoints) -> list[float]:
+        rows: list[float] = []
+
+        class RecordLR:
+            @hookimpl
+            def on_step_end(self, step, metrics, trainer):
+                rows.append(metrics["lr"])
+
+        cfg = two_stage_config(tmp, checkpoints={"resume_checkpoint_path": str(ckpts / "4"), **checkpoints})
+        run_training(cfg, extra_plugins=(RecordLR(),))
+        return rows
+
+    kept = lrs_after_resume(tmp_path / "b")
+    restarted = lrs_after_resume(tmp_path / "c", load_lr_scheduler=False)
+    lr = tiny_config(tmp_path)["optimizer"]["learning_rate_scheduler"]["learning_rate"]
+    assert len(kept) == len(restarted) == 4
+    assert restarted[:2] == [lr / 2, lr]  # a fresh 2-step warmup after the resume
+    assert kept[0] < lr and kept != restarted  # the loaded schedule continues its decay

@@ -223,16 +223,16 @@ def checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
 
 def to_hf(checkpoint: str | Path, out_dir: str | Path, plugins: Sequence[str] = (), dtype: str | None = None) -> Path:
     """Write checkpoint's model as a transformers folder (config.json, model.safetensors, tokenizer files)."""
-    from nanocore.generate_cmd import _checkpoint_plugins, _structure_section
+    from nanocore.generate_cmd import checkpoint_plugins, structure_section
     from nanocore.plugins import load_plugins
 
     folder = resolve_checkpoint(checkpoint)
     raw = read_yaml(folder / "config.yaml")
     if not isinstance(raw, dict):
         raise NanocoreError(f"{folder / 'config.yaml'} is not a nanocore config")
-    found, missing = _checkpoint_plugins([str(p) for p in raw.get("plugins") or []], folder)
+    found, missing = checkpoint_plugins([str(p) for p in raw.get("plugins") or []], folder)
     registries = load_plugins(list(plugins) + found).registries
-    model_args: ModelArgs = _structure_section(raw, "model", ModelArgs, registries, missing)
+    model_args: ModelArgs = structure_section(raw, "model", ModelArgs, registries, missing)
     entry = registries.model.get(model_args.model_type, path="model.model_config.model_type")
     if "to_hf" not in entry.extras:
         raise PluginError(f"model type {entry.name!r} (plugin {entry.plugin!r}) has no Hugging Face conversion (to_hf)")

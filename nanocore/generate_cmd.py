@@ -63,7 +63,7 @@ def _local_plugin_candidates(spec: str, folder: Path) -> list[Path]:
     return [Path.cwd() / path, *(parent / path for parent in [folder, *folder.parents][:3])]
 
 
-def _checkpoint_plugins(specs: list[str], folder: Path) -> tuple[list[str], list[str]]:
+def checkpoint_plugins(specs: list[str], folder: Path) -> tuple[list[str], list[str]]:
     """(plugins found, plugin files not found) among the `plugins:` of a checkpoint's config."""
     found, missing = [], []
     for spec in specs:
@@ -78,7 +78,7 @@ def _checkpoint_plugins(specs: list[str], folder: Path) -> tuple[list[str], list
     return found, missing
 
 
-def _structure_section(raw: dict, key: str, cls: type, registries: Any, missing: list[str]) -> Any:
+def structure_section(raw: dict, key: str, cls: type, registries: Any, missing: list[str]) -> Any:
     from nanocore.config.converter import collect_problems, make_converter
 
     try:
@@ -116,13 +116,13 @@ def load_checkpoint_model(
     if not isinstance(raw, dict):
         raise NanocoreError(f"{folder / 'config.yaml'} is not a nanocore config")
     yaml_plugins = raw.get("plugins") or []
-    found, missing = _checkpoint_plugins([str(p) for p in yaml_plugins], folder)
+    found, missing = checkpoint_plugins([str(p) for p in yaml_plugins], folder)
     if missing:
         log.info("local plugin(s) of the training run not found (fine unless they provide the model): %s", missing)
     loaded = load_plugins(list(plugins) + found)
     registries = loaded.registries
-    model_args: ModelArgs = _structure_section(raw, "model", ModelArgs, registries, missing)
-    tokenizer_args: TokenizerArgs = _structure_section(raw, "tokenizer", TokenizerArgs, registries, missing)
+    model_args: ModelArgs = structure_section(raw, "model", ModelArgs, registries, missing)
+    tokenizer_args: TokenizerArgs = structure_section(raw, "tokenizer", TokenizerArgs, registries, missing)
 
     entry = registries.model.get(model_args.model_type, path="model.model_config.model_type")
     # The engine pads the vocabulary to a multiple of make_vocab_size_divisible_by x tp: use the

@@ -25,6 +25,8 @@ from .build import LocalModel, build_local_model
 from .context import ParallelContext
 from .grads import GradBuffers
 from .pipeline import PipelineExecutor
+from .tensor_parallel import parallelize as tp_parallelize
+from .tensor_parallel import tp_grad_sync, tp_owned_parameters, vocab_parallel_cross_entropy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,7 +66,6 @@ class Engine3D:
         ctx, par = self.ctx, self.config.parallelism
         parallelize = None
         if ctx.tp > 1:
-            from .tensor_parallel import parallelize as tp_parallelize
 
             def parallelize(model):
                 tp_parallelize(model, model.tp_plan, ctx.tp_group, self.tp_mode, par.tp_linear_async_communication)
@@ -98,8 +99,6 @@ class Engine3D:
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.ctx.tp > 1:
-            from .tensor_parallel import vocab_parallel_cross_entropy
-
             vocab_start = self.ctx.tp_rank * logits.shape[-1]
             return vocab_parallel_cross_entropy(logits, labels, self.ctx.tp_group, vocab_start, self.true_vocab_size)
         logits = logits[..., : self.true_vocab_size]
@@ -131,19 +130,10 @@ class Engine3D:
         self.writer = self._writers(params)
 
     def _writers(self, params: dict[str, torch.nn.Parameter]) -> dict[str, bool]:
-        """Exactly one rank of each replica group writes (and counts in the grad norm) each piece."""
-        ctx, local = self.ctx, self.local
-        mine = {n: get_placement(p).offsets for n, p in params.items()}
-        if ctx.tp > 1:
-            gathered: list[Any] = [None] * ctx.tp
-            dist.all_gather_object(gathered, mine, group=ctx.tp_group)
-        else:
-            gathered = [mine]
-        writer = {}
-        for n in params:
-            first_holder = next(r for r, g in enumerate(gathered) if g.get(n) == mine[n])
-            writer[n] = first_holder == ctx.tp_rank and n not in local.replica_of_tied
-        return writer
+        """Exactly one rank of each replica group writes (and counts in the grad norm) each piece:
+        the TP rank that owns it, and the first pipeline stage for a tied pair split across stages."""
+        owned = {name for name, _ in tp_owned_parameters(self.model, self.ctx.tp_group)}
+        return {n: n in owned and n not in self.local.replica_of_tied for n in params}
 
     # -- optimizer ------------------------------------------------------------------------
     def setup_optimizer(self, optimizer: Entry, zero: Entry, optimizer_args: Any) -> None:
@@ -171,7 +161,9 @@ class Engine3D:
                 device=self.device,
             )
 
-        self.optimizer = zero.factory(trainables, build_optimizer, DPInfo(self.ctx.dp_group, self.dp_rank, self.dp_size))
+        self.optimizer = zero.factory(
+            trainables, build_optimizer, DPInfo(self.ctx.dp_group, self.dp_rank, self.dp_size)
+        )
 
     # -- steps ----------------------------------------------------------------------------
     def _global_mean(self, local_sum: torch.Tensor) -> float:
@@ -192,8 +184,6 @@ class Engine3D:
         local = self.executor.run(micro_batches, train=True)
         self.grads.finish()
         if self.ctx.tp > 1:  # sequence-parallel replicated params, kv heads shared by several ranks
-            from .tensor_parallel import tp_grad_sync
-
             tp_grad_sync(self.model, self.ctx.tp_group, grad_of=lambda p: p.main_grad)
         for p in self.tied_split:  # tied embeddings on the first and last stage: sum both sides
             dist.all_reduce(p.main_grad, group=self.ctx.tied_group)

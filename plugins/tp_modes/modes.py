@@ -86,7 +86,36 @@ class TPMode:
         return f"{type(self).__name__}()"
 
 
-class AllReduceMode(TPMode):
+class _CollectiveMode(TPMode):
+    """Both built-in modes share the layer arithmetic and differ only in their collectives:
+    `_input_op` before a column-parallel matmul, `_overlapped_column` for its async form, and
+    `_output_op` after a row-parallel matmul or the vocab-parallel embedding."""
+
+    _input_op: type[torch.autograd.Function]
+    _overlapped_column: type[torch.autograd.Function]
+    _output_op: type[torch.autograd.Function]
+
+    def __init__(self) -> None:
+        self._shared = _SharedInput()
+
+    def column_linear(self, x, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
+        if group_size(group) == 1:
+            return F.linear(x, weight, bias)
+        if async_communication and torch.is_grad_enabled():
+            return self._overlapped_column.apply(x, weight, bias, group)
+        return F.linear(self._shared.get(x, group, lambda: self._input_op.apply(x, group)), weight, bias)
+
+    def row_linear(self, x_local, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
+        y = F.linear(x_local, weight)
+        if group_size(group) > 1:
+            y = self._output_op.apply(y, group)
+        return y + bias if bias is not None else y
+
+    def after_embedding(self, y_partial: torch.Tensor, group: Group) -> torch.Tensor:
+        return self._output_op.apply(y_partial, group) if group_size(group) > 1 else y_partial
+
+
+class AllReduceMode(_CollectiveMode):
     """Megatron tensor parallelism: activations between blocks are replicated on every TP rank.
 
     Column-parallel layers take the replicated input as is (identity forward, all-reduce of the input
@@ -97,28 +126,12 @@ class AllReduceMode(TPMode):
 
     name = "ALL_REDUCE"
     sequence_parallel = False
-
-    def __init__(self) -> None:
-        self._shared = _SharedInput()
-
-    def column_linear(self, x, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
-        if group_size(group) == 1:
-            return F.linear(x, weight, bias)
-        if async_communication and torch.is_grad_enabled():
-            return ColumnLinearOverlapped.apply(x, weight, bias, group)
-        return F.linear(self._shared.get(x, group, lambda: CopyToTP.apply(x, group)), weight, bias)
-
-    def row_linear(self, x_local, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
-        y = F.linear(x_local, weight)
-        if group_size(group) > 1:
-            y = ReduceFromTP.apply(y, group)
-        return y + bias if bias is not None else y
-
-    def after_embedding(self, y_partial: torch.Tensor, group: Group) -> torch.Tensor:
-        return ReduceFromTP.apply(y_partial, group) if group_size(group) > 1 else y_partial
+    _input_op = CopyToTP
+    _overlapped_column = ColumnLinearOverlapped
+    _output_op = ReduceFromTP
 
 
-class ReduceScatterMode(TPMode):
+class ReduceScatterMode(_CollectiveMode):
     """Sequence parallelism (Korthikanti et al.): activations between blocks are sharded along the
     sequence, so norms, residuals and dropout are computed on 1/tp of the tokens and stored once.
 
@@ -132,22 +145,6 @@ class ReduceScatterMode(TPMode):
 
     name = "REDUCE_SCATTER"
     sequence_parallel = True
-
-    def __init__(self) -> None:
-        self._shared = _SharedInput()
-
-    def column_linear(self, x, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
-        if group_size(group) == 1:
-            return F.linear(x, weight, bias)
-        if async_communication and torch.is_grad_enabled():
-            return SequenceParallelColumnLinearOverlapped.apply(x, weight, bias, group)
-        return F.linear(self._shared.get(x, group, lambda: GatherFromSequence.apply(x, group)), weight, bias)
-
-    def row_linear(self, x_local, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
-        y = F.linear(x_local, weight)
-        if group_size(group) > 1:
-            y = ReduceScatterToSequence.apply(y, group)
-        return y + bias if bias is not None else y
-
-    def after_embedding(self, y_partial: torch.Tensor, group: Group) -> torch.Tensor:
-        return ReduceScatterToSequence.apply(y_partial, group) if group_size(group) > 1 else y_partial
+    _input_op = GatherFromSequence
+    _overlapped_column = SequenceParallelColumnLinearOverlapped
+    _output_op = ReduceScatterToSequence

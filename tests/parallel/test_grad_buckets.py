@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from nanocore_plugins.parallel3d.grads import GradBuffers
+from tests.helpers.compare import rel_diff
 from tests.helpers.distributed import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -61,6 +62,8 @@ def test_buckets_reduce_once_per_step_during_the_last_backward():
     for r in results:
         for x in r["inputs"]:
             (layers(x).pow(2).sum() / 2).backward()
+    # Each element sums 6 micro-batch gradients (3 rows each) in another order: <= ~10 eps ~ 1.2e-6 of the
+    # tensor's scale (measured 1.3e-7); a missing rank or average is off by 0.5 or more.
     for i, p in enumerate(layers.parameters()):
         for r in results:
-            assert torch.allclose(r["grads"][i], p.grad, atol=1e-5)
+            assert rel_diff(r["grads"][i], p.grad) <= 1e-5

@@ -21,14 +21,11 @@ from nanocore.errors import ConfigError
 from nanocore.generate_cmd import load_checkpoint_model
 from nanocore.plugins import load_plugins
 from nanocore.trainer import Trainer
+from tests.helpers.compare import rel_diff
 from tests.helpers.hf_models import hf_model, save_hf_llama
 from tests.helpers.training import TINY_MODEL, run_training, tiny_config
 
 STEPS = 2
-
-
-def rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +66,7 @@ def reference(hf, tmp_path_factory):
 
 
 def test_one_process_from_hf_starts_at_transformers_loss(reference):
-    assert rel(reference["losses"][0], reference["hf_loss"]) <= 1e-5, reference
+    assert rel_diff(reference["losses"][0], reference["hf_loss"]) <= 1e-5, reference
 
 
 def test_converted_checkpoint_and_first_auto_resume_train_like_the_hf_folder(hf, reference, tmp_path):
@@ -84,7 +81,7 @@ def test_converted_checkpoint_and_first_auto_resume_train_like_the_hf_folder(hf,
         config_from(tmp_path / "auto", hf, hf["folder"], checkpoints={"resume_checkpoint_path": own})
     )
     for losses in (as_init, resumed, auto):
-        assert max(rel(a, b) for a, b in zip(losses, reference["losses"], strict=True)) <= 1e-6
+        assert max(rel_diff(a, b) for a, b in zip(losses, reference["losses"], strict=True)) <= 1e-6
 
 
 def test_a_model_config_that_differs_from_the_hf_folder_is_named(hf, tmp_path):
@@ -109,8 +106,8 @@ def test_tp2_pp2_from_hf_matches_transformers_and_exports_back(hf, reference, tm
         checkpoints={"save_final_state": True},
     )
     run = run_training(raw, world_size=4)
-    assert rel(run["losses"][0], reference["hf_loss"]) <= 1e-5
-    assert max(rel(a, b) for a, b in zip(run["losses"], reference["losses"], strict=True)) <= 1e-5
+    assert rel_diff(run["losses"][0], reference["hf_loss"]) <= 1e-5
+    assert max(rel_diff(a, b) for a, b in zip(run["losses"], reference["losses"], strict=True)) <= 1e-5
     assert run["weights"]["model.embed_tokens.weight"].shape[0] == 68  # 67 padded for tp=2
 
     out = tmp_path / "exported"
@@ -126,4 +123,6 @@ def test_tp2_pp2_from_hf_matches_transformers_and_exports_back(hf, reference, tm
     ids = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected, got = theirs(ids).logits, ours(ids)[..., :67]
-    assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
+    # the same float32 math in other kernels: relative to the logits' largest magnitude, as in
+    # tests/plugins/llama's parity with transformers
+    assert rel_diff(got, expected) <= 1e-5, rel_diff(got, expected)

@@ -1,8 +1,8 @@
 """The proof: every parallel layout trains exactly like one process (float32, gloo on CPU).
 
 Each layout runs 10 optimizer steps from the same seed on the same global batches and must match
-the single-process run: step-1 loss within 1e-5 relative, later losses within 1e-4, final weights
-within 1e-4 (absolute, weights are O(0.1)).
+the single-process run: step-1 loss within 1e-5 relative, later losses within 1e-4 relative, final
+weights within 1e-4 relative (`norm_rel_diff`: ||a - b|| of each tensor over its norm).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.compare import norm_rel_diff, rel_diff
 from tests.helpers.training import run_training, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -44,17 +45,40 @@ def reference(tmp_path_factory, tied: bool) -> dict:
     return _reference[tied]
 
 
+# Relative tolerances: a layout sums the same float32 terms in another order (split over ranks,
+# micro-batches, buckets), which moves a result in proportion to its size. Step 1 is one forward of
+# the same weights: only the loss reductions differ (a few ulps; measured <= 1.2e-7). Later steps
+# and the weights add 10 AdamW updates on reordered gradients; measured <= 1e-5 of a weight tensor's
+# norm (tp2 GPT-2; 1.4e-6 for LLaMA at 3D), while single elements of a tensor can differ by 8e-5 of
+# its largest value (`norm_rel_diff` says why), hence norms. Wrong gradients show far above 1e-4:
+# dropping tp2 REDUCE_SCATTER's gradient sync moves all 39 tensors by over 1e-4 (up to 7e-3), dropping
+# it for one norm weight moves 14 tensors by up to 2.4e-3 (while the losses stay within 1e-4).
+STEP1_RTOL, RTOL = 1e-5, 1e-4
+# A key projection's bias has a gradient of zero in exact arithmetic (it adds q.b to all of a query's
+# scores, which softmax ignores): Adam turns its rounding-noise gradient into noise-driven steps that
+# differ in every layout, so its trained value (a few 1e-5, noise in the reference too) has no parity.
+NO_GRADIENT_SUFFIXES = (".k_proj.bias",)
+
+
+def weight_diffs(weights: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """`norm_rel_diff` of every trained tensor from the reference's, except those that get no gradient."""
+    assert weights.keys() == ref.keys()
+    return {
+        name: norm_rel_diff(weights[name], tensor)
+        for name, tensor in ref.items()
+        if not name.endswith(NO_GRADIENT_SUFFIXES)
+    }
+
+
 def assert_matches(run: dict, ref: dict) -> None:
     losses, ref_losses = run["losses"], ref["losses"]
     assert len(losses) == len(ref_losses) == 10
-    assert abs(losses[0] - ref_losses[0]) <= 1e-5 * abs(ref_losses[0]), (losses[0], ref_losses[0])
-    diffs = [abs(a - b) for a, b in zip(losses, ref_losses, strict=True)]
-    assert max(diffs) <= 1e-4, f"per-step loss differences: {diffs}"
+    assert rel_diff(losses[0], ref_losses[0]) <= STEP1_RTOL, (losses[0], ref_losses[0])
+    diffs = [rel_diff(a, b) for a, b in zip(losses, ref_losses, strict=True)]
+    assert max(diffs) <= RTOL, f"per-step relative loss differences: {diffs}"
     assert max(ref_losses) - min(ref_losses) > 0.01, "the reference must actually train for parity to mean anything"
-    assert run["weights"].keys() == ref["weights"].keys()
-    for name, tensor in ref["weights"].items():
-        diff = (run["weights"][name] - tensor).abs().max().item()
-        assert diff <= 1e-4, f"{name}: max weight difference {diff}"
+    bad = {name: diff for name, diff in weight_diffs(run["weights"], ref["weights"]).items() if not diff <= RTOL}
+    assert not bad, f"weights differ by more than {RTOL} of their norm: {bad}"
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -89,4 +113,5 @@ def test_zero1_shards_optimizer_state(tmp_path):
         assert abs(b - full / 4) <= 0.05 * full / 4, (per_rank, full)
     # the shards add up to the whole (only the per-parameter scalar step counters are replicated)
     assert abs(sum(per_rank) - full) <= 0.01 * full
-    assert torch.allclose(torch.tensor(zero["losses"]), torch.tensor(plain["losses"]), atol=1e-6)
+    # one step: the same forward at the same layout, so the step-1 tolerance
+    assert max(rel_diff(a, b) for a, b in zip(zero["losses"], plain["losses"], strict=True)) <= STEP1_RTOL

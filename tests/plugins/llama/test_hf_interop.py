@@ -17,6 +17,7 @@ from nanocore.convert import from_hf
 from nanocore.errors import NanocoreError
 from nanocore.generate_cmd import load_checkpoint_model
 from nanocore.generation import generate
+from tests.helpers.compare import rel_diff
 from tests.helpers.hf_models import hf_model, save_hf_llama
 
 CASES = {
@@ -87,7 +88,9 @@ def test_logits_and_greedy_generation_equal_transformers(converted):
         expected = theirs(ids).logits
         got = ours(ids)
     assert got.shape == expected.shape
-    assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
+    # the same float32 math in other kernels: relative to the logits' largest magnitude (~4 here), as in
+    # test_llama_model's parity with transformers
+    assert rel_diff(got, expected) <= 1e-5, rel_diff(got, expected)
 
     prompt = [5, 17, 42, 3]
     eos = theirs.config.eos_token_id

@@ -17,6 +17,7 @@ from nanocore.model_api import CausalLM, KVCache
 from nanocore.registry import Registries
 from nanocore_plugins.llama.config import LlamaConfig
 from nanocore_plugins.llama.plugin import build, register_models
+from tests.helpers.compare import rel_diff
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -96,7 +97,9 @@ def test_logits_match_transformers_with_the_same_weights(overrides):
         expected = reference(ids).logits
         got = ours(ids)
     assert got.shape == expected.shape
-    assert (got - expected).abs().max().item() <= 1e-5
+    # The same float32 math in other kernels (two layers of hidden 64 / ffn 96: reductions of <= 96
+    # terms, typically sqrt(96) eps ~ 1e-6 each); measured 3e-7 of the logits' largest magnitude.
+    assert rel_diff(got, expected) <= 1e-5
 
 
 def test_llama3_rope_scaling_changes_the_logits():
@@ -105,7 +108,7 @@ def test_llama3_rope_scaling_changes_the_logits():
     scaled.load_state_dict(plain.state_dict())
     ids = torch.randint(0, 101, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (plain(ids) - scaled(ids)).abs().max().item() > 1e-3
+        assert rel_diff(plain(ids), scaled(ids)) > 1e-3
 
 
 def test_forward_equals_the_chain_of_pipeline_blocks():
@@ -142,7 +145,7 @@ def test_kv_cache_gives_the_full_forward_logits(chunks):
             start += n
     assert cache.length == ids.shape[1]
     assert cache.keys[0].shape == (2, 2, ids.shape[1], 16)  # kv heads are cached, not repeated
-    assert (torch.cat(pieces, dim=1) - full).abs().max().item() <= 1e-5
+    assert rel_diff(torch.cat(pieces, dim=1), full) <= 1e-5  # attention over cached keys: another order
 
 
 def test_vocab_is_padded_and_init_is_reproducible_from_meta():

@@ -13,6 +13,7 @@ from nanocore.errors import ConfigError
 from nanocore.generation import generate
 from nanocore.model_api import CausalLM, KVCache
 from nanocore.plugins import load_plugins
+from tests.helpers.compare import rel_diff
 from tests.plugins.third_party.packages import gpt2_config, require
 
 SMALL = dict(n_embd=32, n_head=4, n_layer=2, vocab_size=61, n_positions=24)
@@ -79,7 +80,9 @@ def test_logits_match_transformers_gpt2(tied):
     with torch.no_grad():
         ours, theirs = model(ids), hf_copy(model)(ids).logits
     assert ours.shape == (2, 24, SMALL["vocab_size"])
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    # The same float32 math in other kernels (reductions of <= 128 terms, typically sqrt(128) eps ~ 1.4e-6
+    # each): relative to the logits' largest magnitude; measured 1e-7.
+    assert rel_diff(ours, theirs) <= 1e-5, rel_diff(ours, theirs)
 
 
 def test_forward_equals_the_chain_of_pipeline_blocks():
@@ -106,7 +109,7 @@ def test_kv_cache_generation_equals_recomputing_the_whole_sequence():
     with torch.no_grad():
         model(ids[:, :4], kv_cache=cache)
         step = model(ids[:, 4:], kv_cache=cache)  # several new tokens after a cached prefix
-        torch.testing.assert_close(step, model(ids)[:, 4:], atol=1e-5, rtol=1e-4)
+        assert rel_diff(step, model(ids)[:, 4:]) <= 1e-5  # attention over cached keys: another order
     assert cache.length == ids.shape[1]
 
 

@@ -26,6 +26,13 @@ The module must provide:
 - `vocab_size: int` (the padded size the embedding has), `true_vocab_size: int` (the tokenizer's;
   logits at and beyond it are padding the engine masks out), `tied_parameters: list[tuple[str, str]]`
   (names of parameters that share storage, e.g. `("model.embed_tokens.weight", "lm_head.weight")`).
+- `vocab_parameters: list[str]` (needed when the model pads its vocabulary): the parameters whose
+  first dimension is the padded vocabulary, e.g. `["model.embed_tokens.weight", "lm_head.weight"]`
+  (either or both names of a tied pair). Only their first `true_vocab_size` rows are real;
+  checkpoints store those alone, so that a checkpoint written at one tp (one padding) loads at
+  another. It is declared rather than read off the TP plan: a `vocab_embedding`-style table may
+  index something else (GPT-2's learned positions), and the declaration holds at tp=1, where no plan
+  is applied.
 - optionally `recompute_blocks: set[str]`-compatible behaviour is the engine's business, not the model's.
 """
 
@@ -33,8 +40,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+import attrs
 import torch
 from torch import nn
+
+from nanocore.sharding import Placement
 
 
 @runtime_checkable
@@ -75,8 +85,44 @@ class KVCache:
 
 
 def check_model(model: nn.Module, model_type: str) -> None:
-    missing = [a for a in ("pipeline_blocks", "tp_plan", "init_parameter", "flops_per_token", "vocab_size") if not hasattr(model, a)]
-    if missing:
-        from nanocore.errors import PluginError
+    from nanocore.errors import PluginError
 
-        raise PluginError(f"model type {model_type!r} built a module without {', '.join(missing)} (see nanocore.model_api)")
+    missing = [
+        a
+        for a in ("pipeline_blocks", "tp_plan", "init_parameter", "flops_per_token", "vocab_size")
+        if not hasattr(model, a)
+    ]
+    if missing:
+        raise PluginError(
+            f"model type {model_type!r} built a module without {', '.join(missing)} (see nanocore.model_api)"
+        )
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in vocab_parameters(model):
+        if name not in params or params[name].dim() == 0 or params[name].shape[0] != model.vocab_size:
+            found = "no such parameter" if name not in params else f"shape {list(params[name].shape)}"
+            raise PluginError(
+                f"model type {model_type!r} lists {name!r} in vocab_parameters, but it has {found}; each must be a "
+                f"parameter whose first dimension is the padded vocabulary ({model.vocab_size} rows)"
+            )
+
+
+def vocab_parameters(model: nn.Module) -> set[str]:
+    """The names the model declares in `vocab_parameters`, with both names of a tied pair (none for a
+    model that does not pad its vocabulary)."""
+    names = set(getattr(model, "vocab_parameters", ()))
+    for first, second in getattr(model, "tied_parameters", ()):
+        if first in names or second in names:
+            names |= {first, second}
+    return names
+
+
+def valid_rows(model: nn.Module, name: str) -> int | None:
+    """How many rows of parameter `name` are real: `true_vocab_size` for a vocabulary parameter, else None (all)."""
+    if name not in vocab_parameters(model):
+        return None
+    return int(getattr(model, "true_vocab_size", model.vocab_size))
+
+
+def whole_placement(model: nn.Module, name: str, shape: tuple[int, ...]) -> Placement:
+    """The placement of parameter `name` held whole (one device), its vocabulary padding marked."""
+    return attrs.evolve(Placement.whole(shape), valid_rows=valid_rows(model, name))

@@ -3,6 +3,11 @@
 Engines mark every parameter (and every optimizer-state tensor) with a `Placement`; checkpoints
 store each saved piece with its placement, so a checkpoint written at one (dp, tp, pp) can be read
 at another by cutting out whatever rectangle the reader needs.
+
+A layout may pad a tensor's rows (the vocabulary, to a multiple of `make_vocab_size_divisible_by x
+tp`): `valid_rows` says how many leading rows of the full tensor are real. Padding is a property of
+the layout, not of the model, so checkpoints keep the real rows only and a reader pads again with
+zeros for its own layout.
 """
 
 from __future__ import annotations
@@ -13,24 +18,49 @@ import torch
 _ATTR = "_nanocore_placement"
 
 
+def _check_valid_rows(placement: Placement, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and not (placement.full_shape and 0 <= value <= placement.full_shape[0]):
+        raise ValueError(f"valid_rows {value} must lie within the {list(placement.full_shape)} tensor's rows")
+
+
 @attrs.frozen
 class Placement:
-    """The local tensor is `full[offsets[0]:offsets[0]+shape[0], ...]` of a tensor of `full_shape`."""
+    """The local tensor is `full[offsets[0]:offsets[0]+shape[0], ...]` of a tensor of `full_shape`.
+
+    `valid_rows`: when set, only the first `valid_rows` rows (dim 0) of the full tensor are real and
+    the rest is padding the layout added (zeros on load; never saved).
+    """
 
     full_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    valid_rows: int | None = attrs.field(default=None, validator=_check_valid_rows, kw_only=True)
 
     @classmethod
     def whole(cls, shape: tuple[int, ...] | torch.Size) -> Placement:
         return cls(tuple(shape), (0,) * len(shape))
 
-    def narrow(self, dim: int, start: int, length: int, local_shape: tuple[int, ...]) -> tuple[Placement, tuple[int, ...]]:
+    def narrow(
+        self, dim: int, start: int, length: int, local_shape: tuple[int, ...]
+    ) -> tuple[Placement, tuple[int, ...]]:
         """Placement of `local.narrow(dim, start, length)` (a slice of this local tensor)."""
         offsets = list(self.offsets)
         offsets[dim] += start
         shape = list(local_shape)
         shape[dim] = length
-        return Placement(self.full_shape, tuple(offsets)), tuple(shape)
+        return attrs.evolve(self, offsets=tuple(offsets)), tuple(shape)
+
+    @property
+    def real_shape(self) -> tuple[int, ...]:
+        """The full tensor without its padding rows: what a checkpoint stores."""
+        if self.valid_rows is None:
+            return self.full_shape
+        return (self.valid_rows, *self.full_shape[1:])
+
+    def real_rows(self, local_rows: int) -> int:
+        """How many leading rows of a local tensor of `local_rows` rows are real (not padding)."""
+        if self.valid_rows is None:
+            return local_rows
+        return max(0, min(local_rows, self.valid_rows - self.offsets[0]))
 
     def slices(self, local_shape: tuple[int, ...]) -> tuple[slice, ...]:
         return tuple(slice(o, o + n) for o, n in zip(self.offsets, local_shape, strict=True))

@@ -1,9 +1,10 @@
 """LLaMA <-> Hugging Face transformers' `LlamaForCausalLM`: the config mapping and the state dict rules.
 
 Parameter names already equal transformers' (see model.py), so the state dict passes through; what
-changes is (1) the config, (2) the tied head: transformers saves no `lm_head.weight` when
-`tie_word_embeddings` is set, and nanocore lists a tied pair once, under the embedding's name, and
-(3) the vocabulary padding nanocore adds for tensor parallelism, dropped on export.
+changes is (1) the config and (2) the tied head: transformers saves no `lm_head.weight` when
+`tie_word_embeddings` is set, and nanocore lists a tied pair once, under the embedding's name. The
+vocabulary padding nanocore adds for tensor parallelism is a property of a layout: checkpoints hold
+the true vocabulary (`vocab_parameters` in model.py), so nothing is dropped or added here.
 
 config.json is written in the long-standing form (`rope_theta` + `rope_scaling`, `torch_dtype`),
 which transformers 4.x reads natively and 5.x converts to `rope_parameters`; both forms are read.
@@ -23,7 +24,7 @@ from nanocore_plugins.llama.config import LlamaConfig
 log = logging.getLogger("nanocore")
 
 ARCHITECTURES = ["LlamaForCausalLM"]
-EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+HEAD = "lm_head.weight"
 # Buffers some old transformers versions saved with the weights: recomputed, never needed.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -53,7 +54,8 @@ SAME_FIELDS = [k for k in HF_DEFAULTS if k not in ("num_key_value_heads", "bos_t
 
 
 def to_hf(config: LlamaConfig, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """nanocore config + full tensors (vocabulary possibly padded) -> transformers config.json + state dict."""
+    """nanocore config + full tensors (true vocabulary, as `nanocore.convert.checkpoint_state` reads
+    them) -> transformers config.json + state dict."""
     problems = config.problems()
     if problems:
         raise ConfigError([f"model.model_config.{p}" for p in problems])
@@ -74,8 +76,6 @@ def to_hf(config: LlamaConfig, state: dict[str, torch.Tensor]) -> tuple[dict[str
     for name, tensor in state.items():
         if name == HEAD and config.tie_word_embeddings:
             continue  # transformers re-ties lm_head to the embedding on load
-        if name in (EMBEDDING, HEAD):
-            tensor = tensor[: config.vocab_size]  # rows past the tokenizer's vocabulary are tp padding
         hf_state[name] = tensor
     return hf_config, hf_state
 

@@ -205,6 +205,8 @@ class LlamaForCausalLM(nn.Module):
         self.scale_output_init = scale_output_init
         self.model = LlamaModel(config, self.vocab_size)
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_size, bias=False)
+        # Rows of these past true_vocab_size are padding (vocab_multiple): never saved in checkpoints.
+        self.vocab_parameters = ["model.embed_tokens.weight", "lm_head.weight"]
         self.tied_parameters: list[tuple[str, str]] = []
         if config.tie_word_embeddings:
             self.tied_parameters = [("model.embed_tokens.weight", "lm_head.weight")]

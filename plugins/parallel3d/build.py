@@ -3,6 +3,9 @@
 Order (fixed, like torchtitan's): build on meta -> tensor parallel (swap modules by the TP plan)
 -> pipeline cut (keep this rank's chunks) -> materialise (each parameter initialised as the *full*
 tensor from a generator seeded by (seed, name), then sliced by its Placement) -> re-tie.
+
+The vocabulary is padded for this layout (`vocab_multiple`); the placements of the parameters the
+model declares in `vocab_parameters` say which rows are real, so checkpoints hold only those.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import attrs
 import torch
 from torch import nn
 
-from nanocore.model_api import check_model
+from nanocore.model_api import check_model, valid_rows
 from nanocore.registry import Entry
 from nanocore.sharding import Placement, get_placement, set_placement
 
@@ -110,7 +113,10 @@ def build_local_model(
             if first not in local:
                 replica_of_tied.add(second)
 
-    placements = {name: get_placement(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    placements = {
+        name: _mark_vocab_rows(model, name, get_placement(p))
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
     extras = {name: {k: v for k, v in vars(p).items()} for name, p in model.named_parameters(remove_duplicate=False)}
     nn.Module.to_empty(model, device=device)  # not a model override: the engine re-ties below
     for first, second in tied:  # to_empty replaces each module's parameters separately
@@ -128,6 +134,13 @@ def build_local_model(
         canonical=canonical,
         replica_of_tied=replica_of_tied,
     )
+
+
+def _mark_vocab_rows(model: nn.Module, name: str, placement: Placement) -> Placement:
+    """Mark the vocabulary padding of a parameter the model declares in `vocab_parameters`: rows past
+    the true vocabulary exist for this layout only and are never saved (see nanocore.sharding)."""
+    rows = valid_rows(model, name)
+    return placement if rows is None else attrs.evolve(placement, valid_rows=rows)
 
 
 @torch.no_grad()

@@ -5,7 +5,9 @@ every data-parallel rank. Stage 1 gives DP rank r only rows [a_r, b_r) of every 
 first dimension split evenly): master weights and optimizer state exist for those rows alone, each
 rank updates its rows, and the updated rows are exchanged. Because a row-slice of a parameter is a
 rectangle of the full tensor, optimizer state is saved with its place in the full tensor, so a
-checkpoint written at dp=2 loads at dp=4, or without ZeRO.
+checkpoint written at dp=2 loads at dp=4, or without ZeRO. The slots' placements carry the
+parameter's vocabulary padding (`valid_rows`), so padding rows of state are never saved and load
+as zeros, at any tp.
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ class ZeroOptimizer:
                 if not name.startswith(prefix):
                     continue
                 key = name[len(prefix) :]
-                if reader.full_shape(name) == tuple(slot.placement.full_shape) and len(slot.placement.full_shape) > 0:
+                if reader.full_shape(name) and slot.placement.full_shape:  # shaped like the parameter
                     value = reader.read(name, slot.placement, slot.shape)
                 else:
                     value = reader.read(name, Placement.whole(()), ())
@@ -155,6 +157,17 @@ class ZeroOptimizer:
     def refresh_master_weights(self) -> None:
         for slot in self.slots:
             slot.refresh()
+
+    def expected_state_bytes(self, states_per_element: int) -> int:
+        """Bytes this rank holds once the optimizer keeps `states_per_element` fp32 tensors per element
+        (AdamW: 2) of the rows it updates, plus fp32 master copies of lower-precision parameters."""
+        total = 0
+        for slot in self.slots:
+            if self.sharded and slot.t.param.dim() > 0 and slot.length == 0:
+                continue
+            numel = slot.master.numel()
+            total += numel * 4 * states_per_element + (numel * 4 if slot.separate_master else 0)
+        return total
 
     def state_bytes(self) -> int:
         total = 0

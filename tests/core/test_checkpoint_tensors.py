@@ -20,7 +20,10 @@ def save_split(folder, name, full, parts_per_dim):
         for c in range(cols):
             c0, cn = shard_range(full.shape[1], cols, c)
             piece = full[r0 : r0 + rn, c0 : c0 + cn]
-            write_shards(folder / f"rank-{k:05d}.safetensors", [ShardedTensor(name, piece, Placement(tuple(full.shape), (r0, c0)))])
+            write_shards(
+                folder / f"rank-{k:05d}.safetensors",
+                [ShardedTensor(name, piece, Placement(tuple(full.shape), (r0, c0)))],
+            )
             k += 1
 
 
@@ -77,3 +80,78 @@ def test_resolve_reports_bad_paths(tmp_path):
         resolve_checkpoint(tmp_path / "missing")
     with pytest.raises(NanocoreError, match="neither a checkpoint step folder"):
         resolve_checkpoint(tmp_path)
+
+
+# -- layout padding (Placement.valid_rows): saved without it, zero-filled on load ---------------
+def save_padded(folder, full, valid, parts):
+    """Write `full` split over rows into `parts` files, its rows from `valid` on marked as padding."""
+    for k in range(parts):
+        r0, rn = shard_range(full.shape[0], parts, k)
+        placement = Placement(tuple(full.shape), (r0, 0), valid_rows=valid)
+        write_shards(folder / f"rank-{k:05d}.safetensors", [ShardedTensor("emb", full[r0 : r0 + rn], placement)])
+
+
+def test_padding_rows_are_not_saved_and_read_back_as_zeros(tmp_path):
+    real = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3) + 1
+    padded = torch.cat([real, torch.full((5, 3), 99.0)])  # 7 real rows padded to 12 (e.g. tp=4, 3 rows each)
+    save_padded(tmp_path, padded, 7, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank-0000{k}.safetensors" for k in range(3)]  # 4th: padding
+    reader = ShardReader(tmp_path)
+    assert reader.full_shape("emb") == (7, 3)
+    # another layout pads to 8 rows over 2 ranks: real rows, then zeros
+    for r0 in (0, 4):
+        got = reader.read("emb", Placement((8, 3), (r0, 0), valid_rows=7), (4, 3))
+        assert torch.equal(got, torch.cat([real, torch.zeros(1, 3)])[r0 : r0 + 4])
+    assert torch.equal(reader.read("emb", Placement((7, 3), (0, 0), valid_rows=7), (7, 3)), real)  # no padding
+
+
+def test_a_rectangle_entirely_in_padding_reads_zeros_of_the_saved_dtype(tmp_path):
+    save_padded(tmp_path, torch.ones(6, 2, dtype=torch.bfloat16), 3, 2)
+    got = ShardReader(tmp_path).read("emb", Placement((8, 2), (4, 0), valid_rows=3), (4, 2))
+    assert got.dtype == torch.bfloat16 and not got.any()
+
+
+def test_narrowing_keeps_the_padding_and_clips_optimizer_pieces(tmp_path):
+    """ZeRO-1 narrows a parameter's placement to its rows: the padding travels with it."""
+    param = Placement((8, 2), (4, 0), valid_rows=6)  # rows 4..7 of 8, of which 4 and 5 are real
+    narrowed, shape = param.narrow(0, 1, 3, (4, 2))
+    assert narrowed == Placement((8, 2), (5, 0), valid_rows=6) and shape == (3, 2)
+    assert narrowed.real_rows(3) == 1 and narrowed.real_shape == (6, 2)
+    write_shards(tmp_path / "a.safetensors", [ShardedTensor("m", torch.ones(3, 2), narrowed)])
+    reader = ShardReader(tmp_path)
+    assert reader.full_shape("m") == (6, 2) and reader.pieces["m"][0].shape == (1, 2)
+    with pytest.raises(ValueError, match="valid_rows 9"):
+        Placement((8, 2), (0, 0), valid_rows=9)
+
+
+def test_an_old_padded_checkpoint_reads_its_first_real_rows(tmp_path):
+    """Format version 1 saved the vocabulary padding (tp=2: 7 rows padded to 10); any layout reads it."""
+    real = torch.randn(7, 3)
+    save_split(tmp_path, "emb", torch.cat([real, torch.randn(3, 3)]), (2, 1))  # no valid_rows: everything saved
+    reader = ShardReader(tmp_path)
+    assert reader.full_shape("emb") == (10, 3)
+    got = reader.read("emb", Placement((8, 3), (0, 0), valid_rows=7), (8, 3))  # tp=1 padding
+    assert torch.equal(got[:7], real) and not got[7:].any()
+    assert torch.equal(reader.read("emb", Placement((7, 3), (0, 0), valid_rows=7), (7, 3)), real)
+
+
+def test_padding_never_hides_a_different_model(tmp_path):
+    save_padded(tmp_path, torch.ones(8, 3), 7, 2)
+    reader = ShardReader(tmp_path)
+    with pytest.raises(NanocoreError, match=r"has shape \[7, 3\] but the model expects \[16, 3\] \(its first 9 rows"):
+        reader.read("emb", Placement((16, 3), (0, 0), valid_rows=9), (16, 3))  # a larger vocabulary
+    with pytest.raises(NanocoreError, match=r"expects \[8, 4\]"):
+        reader.read("emb", Placement((8, 4), (0, 0), valid_rows=7), (8, 4))  # another width
+    with pytest.raises(NanocoreError, match=r"expects \[8, 3\]"):
+        reader.read("emb", Placement((8, 3), (0, 0)), (8, 3))  # the model says nothing about padding
+
+
+def test_in_memory_tensors_read_like_a_checkpoint(tmp_path):
+    """Weights converted from a Hugging Face folder hold the true vocabulary; a padded layout reads zeros past it."""
+    real = torch.randn(5, 2)
+    reader = ShardReader.from_tensors({"emb": real, "step": torch.tensor(3.0)}, "hf folder x")
+    got = reader.read("emb", Placement((8, 2), (4, 0), valid_rows=5), (4, 2))
+    assert torch.equal(got[:1], real[4:]) and not got[1:].any()
+    assert reader.read("step", Placement.whole(()), ()).item() == 3.0
+    with pytest.raises(NanocoreError, match="hf folder x has no tensor 'nope'"):
+        reader.read("nope", Placement.whole((1,)), (1,))

@@ -141,6 +141,9 @@ class GPT2LMHeadModel(nn.Module):
         self.init_std, self.scale_output_init = init_std, scale_output_init
         self.transformer = GPT2Transformer(config, self.vocab_size)
         self.lm_head = nn.Linear(config.n_embd, self.vocab_size, bias=False)
+        # Rows of these past true_vocab_size are padding (vocab_multiple), never saved in checkpoints.
+        # Not wpe: it is sharded like a vocabulary, but its rows are positions, all of them real.
+        self.vocab_parameters = ["transformer.embeddings.wte.weight", "lm_head.weight"]
         self.tied_parameters: list[tuple[str, str]] = []
         if config.tie_word_embeddings:
             self.tied_parameters = [("transformer.embeddings.wte.weight", "lm_head.weight")]

@@ -32,6 +32,8 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
     for key in ("dp", "tp", "pp", "pp_virtual_stages", "expert_parallel_size"):
         if getattr(par, key) < 1:
             p.append(f"parallelism.{key}: must be at least 1, got {getattr(par, key)}")
+    if not par.collective_timeout_seconds > 0:
+        p.append(f"parallelism.collective_timeout_seconds: must be positive, got {par.collective_timeout_seconds}")
     if world_size is not None and par.dp * par.tp * par.pp != world_size:
         p.append(
             f"parallelism: dp x tp x pp = {par.dp} x {par.tp} x {par.pp} = {par.dp * par.tp * par.pp} but the launch "
@@ -53,6 +55,9 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
         p.append("optimizer.learning_rate_scheduler: need 0 <= min_decay_lr <= learning_rate")
     if opt.clip_grad is not None and opt.clip_grad <= 0:
         p.append(f"optimizer.clip_grad: must be positive or null, got {opt.clip_grad}")
+    keep = config.checkpoints.keep_last_n
+    if keep is not None and keep < 1:
+        p.append(f"checkpoints.keep_last_n: must be at least 1, or null to keep every checkpoint; got {keep}")
 
     def lookup(kind: str, name: str, path: str) -> Entry | None:
         registry = registries[kind]

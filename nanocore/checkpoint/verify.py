@@ -1,0 +1,280 @@
+"""Checking a checkpoint before it is used: every file its manifest lists is there with the same size
+and checksum, meta.json and config.yaml parse, and every tensor is fully covered by its pieces.
+
+On resume rank 0 checks and every rank gets the verdict; `nanocore checkpoint verify` runs the
+same checks without training. A problem is one CheckpointError that names the file, what is
+wrong with it and the way on (the previous complete checkpoint in the same folder, if any).
+Checkpoints written before manifests existed are parsed but cannot be checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from bisect import bisect_left
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+import yaml
+from safetensors import safe_open
+
+from nanocore.checkpoint.folder import LATEST, CheckpointError, resolve_checkpoint, step_folders, way_on
+from nanocore.checkpoint.manifest import ALGORITHM, MANIFEST, describe, read_manifest
+from nanocore.checkpoint.tensors import META_KEY
+from nanocore.errors import NanocoreError
+
+log = logging.getLogger("nanocore")
+META_KEYS = ("step", "consumed_tokens", "topology", "data", "lr_scheduler")
+FRESH_OPTIMIZER = (
+    "; or, to go on from this checkpoint with fresh optimizer state (AdamW's moments restart from zero), "
+    "set checkpoints.load_optimizer: false"
+)
+
+
+class _Damage(Exception):
+    def __init__(self, file: str, what: str):
+        super().__init__(f"{file} {what}")
+        self.file = file
+
+
+@attrs.frozen
+class Report:
+    """What was checked in a step folder that passed."""
+
+    folder: Path
+    meta: dict[str, Any]
+    has_manifest: bool
+    checked: list[str]  # one line per kind of file
+
+
+def verify_checkpoint(folder: Path, *, optimizer: bool = True) -> Report:
+    """Check a step folder; raise CheckpointError naming the first problem and the way on.
+
+    `optimizer=False` leaves optimizer/ alone (a resume with checkpoints.load_optimizer: false).
+    """
+    folder = Path(folder)
+    try:
+        return _verify(folder, optimizer)
+    except _Damage as damage:
+        fresh = FRESH_OPTIMIZER if damage.file.startswith("optimizer/") else ""
+        raise CheckpointError(f"checkpoint {folder} is damaged: {damage}; {way_on(folder)}{fresh}") from None
+    except OSError as exc:  # not damage: a folder this user may not read, a file system gone away
+        raise CheckpointError(f"could not read checkpoint {folder}: {exc}") from None
+
+
+def verify_for_resume(
+    folder: Path, *, is_main: bool, broadcast: Callable[[Any], Any], load_optimizer: bool
+) -> dict[str, Any]:
+    """Rank 0 checks the checkpoint a run resumes from and every rank raises the same error, or
+    every rank goes on; returns meta.json."""
+    verdict: str | None = None
+    failure: BaseException | None = None
+    if is_main:
+        try:
+            report = verify_checkpoint(folder, optimizer=load_optimizer)
+            if not report.has_manifest:
+                log.info(
+                    "%s was written before checkpoints had a manifest: its files were parsed, not checksummed", folder
+                )
+        except BaseException as exc:  # the other ranks must hear of it, whatever it is
+            failure = exc
+            verdict = str(exc) if isinstance(exc, NanocoreError) else f"rank 0 could not check {folder} ({exc!r})"
+    verdict = broadcast(verdict)
+    if failure is not None:
+        raise failure
+    if verdict is not None:
+        raise CheckpointError(verdict)
+    return json.loads((folder / "meta.json").read_text())
+
+
+def _verify(folder: Path, optimizer: bool) -> Report:
+    checked = []
+    try:
+        manifest = read_manifest(folder)
+    except ValueError as exc:
+        raise _Damage(MANIFEST, str(exc)) from None
+    if manifest is not None:
+        checked.append(_check_files(folder, manifest["files"], optimizer))
+    else:
+        checked.append(f"{MANIFEST}: none (written before checkpoints had one): files parsed, not checksummed")
+    meta = _read_meta(folder)
+    topology = meta["topology"]
+    checked.append(f"meta.json: step {meta['step']}, written by {topology.get('world_size', '?')} rank(s)")
+    _parse(folder, "config.yaml", lambda path: yaml.safe_load(path.read_text()), "YAML")
+    checked.append("config.yaml: parses")
+    model = _index(folder, "model")
+    if not model.tensors:
+        raise _Damage("model/", "holds no weights")
+    checked.append(f"model: {len(model.tensors)} tensors, each fully covered by the pieces in {model.files} file(s)")
+    if optimizer:
+        checked.append(_check_optimizer(folder, model, meta, manifest is not None))
+    else:
+        checked.append("optimizer: not checked (checkpoints.load_optimizer: false)")
+    checked.append(_check_rng(folder, int(topology.get("world_size", 1)), parse=manifest is None))
+    return Report(folder, meta, manifest is not None, checked)
+
+
+def _check_files(folder: Path, files: dict[str, Any], optimizer: bool) -> str:
+    count = size = 0
+    for name, entry in sorted(files.items()):
+        if not optimizer and name.startswith("optimizer/"):
+            continue
+        path = folder / name
+        if not path.is_file():
+            raise _Damage(name, f"is missing (the manifest lists it, {entry['size']} bytes)")
+        actual = path.stat().st_size
+        if actual != entry["size"]:
+            raise _Damage(name, f"has {actual} bytes but had {entry['size']} when saved (truncated or overwritten)")
+        digest = describe(path)[ALGORITHM]
+        if digest != entry.get(ALGORITHM):
+            raise _Damage(
+                name,
+                f"does not match its checksum ({ALGORITHM} {digest}, saved as {entry.get(ALGORITHM)}): it is damaged",
+            )
+        count, size = count + 1, size + actual
+    return f"{MANIFEST}: {count} files ({size} bytes), the size and {ALGORITHM} of each as saved"
+
+
+def _parse(folder: Path, name: str, parse: Callable[[Path], Any], kind: str) -> Any:
+    path = folder / name
+    if not path.is_file():
+        raise _Damage(name, "is missing")
+    try:
+        return parse(path)
+    except (UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:  # JSONDecodeError is a ValueError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise _Damage(name, f"is not valid {kind} ({first})") from None
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    meta = _parse(folder, "meta.json", lambda path: json.loads(path.read_text()), "JSON")
+    if not isinstance(meta, dict):
+        raise _Damage("meta.json", "is not a JSON object")
+    for key in META_KEYS:
+        if key not in meta:
+            raise _Damage("meta.json", f"lacks {key!r}")
+    if not isinstance(meta["topology"], dict):
+        raise _Damage("meta.json", "has no valid 'topology'")
+    return meta
+
+
+@attrs.define
+class _Index:
+    """The pieces of every full tensor in a folder of shard files (headers only)."""
+
+    files: int = 0
+    tensors: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], str]]] = attrs.Factory(dict)
+
+
+def _index(folder: Path, sub: str) -> _Index:
+    index = _Index()
+    for file in sorted((folder / sub).glob("*.safetensors")):
+        name = f"{sub}/{file.name}"
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                meta = json.loads((f.metadata() or {}).get(META_KEY, "{}"))
+                for key, info in meta.items():
+                    shape = tuple(f.get_slice(key).get_shape())
+                    piece = (tuple(info["full_shape"]), tuple(info["offsets"]), shape, name)
+                    index.tensors.setdefault(info["name"], []).append(piece)
+        except Exception as exc:  # safetensors raises its own error type for a damaged file
+            raise _Damage(name, f"is not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+        index.files += 1
+    for tensor, pieces in index.tensors.items():
+        gap = _uncovered(tensor, pieces)
+        if gap:
+            raise _Damage(f"{sub}/", gap)
+    return index
+
+
+def _uncovered(tensor: str, pieces: list) -> str | None:
+    """Why the pieces do not cover the full tensor, or None when they do (overlaps are allowed)."""
+    full = pieces[0][0]
+    for shape, offsets, size, file in pieces:
+        if shape != full:
+            return f"disagrees about the shape of {tensor!r}: {file} says {list(shape)}, another file {list(full)}"
+        if len(offsets) != len(full) or any(o < 0 or o + n > m for o, n, m in zip(offsets, size, full, strict=True)):
+            return f"has a piece of {tensor!r} outside its shape {list(full)} in {file}"
+    # cut every dimension at every piece's edges; each cell of that grid must lie in some piece
+    boxes = [(offsets, size) for _, offsets, size, _ in pieces]
+    cuts = [sorted({0, m} | {o[d] for o, _ in boxes} | {o[d] + n[d] for o, n in boxes}) for d, m in enumerate(full)]
+    covered = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
+    for offsets, size in boxes:
+        cells = (slice(bisect_left(c, o), bisect_left(c, o + n)) for c, o, n in zip(cuts, offsets, size, strict=True))
+        covered[tuple(cells)] = True
+    if covered.all():
+        return None
+    first = tuple(int(i) for i in np.argwhere(~covered)[0])
+    start = [c[i] for c, i in zip(cuts, first, strict=True)]
+    return f"does not cover all of tensor {tensor!r} (nothing holds the block at {start}): a piece is missing"
+
+
+def _check_optimizer(folder: Path, model: _Index, meta: dict[str, Any], has_manifest: bool) -> str:
+    state = _index(folder, "optimizer")
+    if not state.tensors:
+        if not has_manifest and int(meta["step"]) > 0:
+            raise _Damage("optimizer/", f"holds no optimizer state, but the checkpoint is of step {meta['step']}")
+        return "optimizer: none saved"  # a manifest says so: nothing was written (step 0, or a stateless optimizer)
+    owners = {name.split("::")[0] for name in state.tensors}
+    missing = sorted(set(model.tensors) - owners)
+    if missing:
+        raise _Damage(
+            "optimizer/",
+            f"has no state for {len(missing)} of the model's {len(model.tensors)} tensors (e.g. {missing[0]!r}): "
+            "a rank's file is missing",
+        )
+    return f"optimizer: {len(state.tensors)} tensors, state for every weight, fully covered by {state.files} file(s)"
+
+
+def _check_rng(folder: Path, world_size: int, parse: bool) -> str:
+    files = sorted((folder / "rng").glob("*.pt"))
+    if not files:
+        return "rng: none saved"
+    for rank in range(world_size):
+        name = f"rng/rank-{rank:05d}.pt"
+        if not (folder / name).is_file():
+            raise _Damage(name, f"is missing (the checkpoint was written by {world_size} ranks)")
+        if parse:
+            try:
+                torch.load(folder / name, weights_only=True)
+            except Exception as exc:
+                raise _Damage(name, f"cannot be read ({type(exc).__name__}: {exc})") from None
+    return f"rng: {world_size} file(s)" + ("" if parse else " (checked by checksum)")
+
+
+# -- `nanocore checkpoint verify` ----------------------------------------------------------------
+def verify_command(path: str | Path, every: bool = False, out: Callable[[str], None] = print) -> int:
+    """Check one checkpoint (a step folder, or a checkpoints folder's latest) or, `every`, all of a
+    checkpoints folder's step folders; print what was checked. Raises CheckpointError if one is damaged."""
+    path = Path(path)
+    if not every:
+        report = verify_checkpoint(resolve_checkpoint(path))
+        _print(report, out)
+        return 0
+    folders = step_folders(path)
+    if not folders:
+        raise NanocoreError(f"{path} holds no step folders (with --all, PATH is a checkpoints folder)")
+    damaged = []
+    for folder in folders:
+        try:
+            _print(verify_checkpoint(folder), out)
+        except CheckpointError as exc:
+            out(f"DAMAGED: {exc}")
+            damaged.append(folder.name)
+    latest = path / LATEST
+    out(f"{LATEST}: {latest.read_text().strip() if latest.is_file() else 'none'}")
+    if damaged:
+        raise CheckpointError(
+            f"{len(damaged)} of {len(folders)} checkpoints in {path} are damaged: {', '.join(damaged)}"
+        )
+    return 0
+
+
+def _print(report: Report, out: Callable[[str], None]) -> None:
+    out(f"ok {report.folder}")
+    for line in report.checked:
+        out(f"  {line}")

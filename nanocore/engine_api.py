@@ -26,12 +26,17 @@ class StepOutput:
 
 
 class Engine(Protocol):
+    """What the trainer uses of an engine; every member here is called by nanocore/trainer.py or the
+    summary it prints."""
+
     rank: int
     world_size: int
     dp_rank: int
     dp_size: int
     device: torch.device
+    dtype: torch.dtype  # the parameters' dtype (model.dtype resolved for the device)
     is_main: bool  # global rank 0: prints, logs and finalises checkpoints
+    true_vocab_size: int  # the model's vocabulary before any padding (set by setup_model)
 
     def setup_model(self, entry: Entry, model_args: Any, seed: int) -> None:
         """Build the model on meta, parallelise it and materialise this rank's part of it."""
@@ -57,15 +62,24 @@ class Engine(Protocol):
 
     def flops_per_token(self, sequence_length: int) -> float: ...
 
+    def memory_estimate(self) -> dict[str, int | None]:
+        """This rank's `parameters` (count), `written_parameters` (the count this rank saves for the
+        whole model; they add up to the model's size over all ranks), and bytes: `params_bytes`,
+        `grads_bytes`, `optimizer_bytes` (None when the optimizer plugin gives no estimate)."""
+
     def barrier(self) -> None: ...
 
     def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank."""
+        """Rank 0's `obj` on every rank (checkpoint verification verdicts)."""
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` in rank order, on every rank."""
 
     def all_ranks_ok(self, ok: bool) -> bool:
-        """True on every rank iff `ok` is True on every rank (for coordinated errors)."""
+        """True on every rank iff `ok` is True on every rank (coordinated stops and errors)."""
 
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Destroy the process groups and join their threads (drop every reference to them first)."""
 
 
 @attrs.define(eq=False)
@@ -98,3 +112,7 @@ class ZeroOptimizer(Protocol):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (and master weights) held by this rank."""
+
+    def expected_state_bytes(self, states_per_element: int) -> int:
+        """Bytes this rank will hold once the optimizer keeps `states_per_element` fp32 tensors per
+        parameter element it updates (the optimizer registry entry's `states_per_element(args)`)."""

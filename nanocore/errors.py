@@ -23,3 +23,46 @@ class DataError(NanocoreError):
 
 class TrainingError(NanocoreError):
     """Training cannot continue (a NaN loss, for example); the last good checkpoint is intact."""
+
+
+class TrainingInterrupted(NanocoreError):
+    """SIGTERM or SIGINT stopped the run after a step; a checkpoint of that step was saved."""
+
+    def __init__(self, signal_number: int, step: int, checkpoint: object):
+        import signal
+
+        self.exit_code = 128 + int(signal_number)  # what a shell reports for a process the signal ended
+        name = signal.Signals(signal_number).name
+        super().__init__(
+            f"stopped by {name} after step {step}; checkpoint saved to {checkpoint}. To continue, run again with "
+            f"checkpoints.resume_checkpoint_path: latest (or {checkpoint})"
+        )
+
+
+_COLLECTIVE_TIMEOUT = ("timed out", "timeout", "deadline exceeded")
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
+
+
+def explain_collective_failure(exc: BaseException, timeout_seconds: float) -> NanocoreError | None:
+    """A user-facing error for a collective that timed out or lost its peer; None for anything else."""
+    if isinstance(exc, NanocoreError) or not isinstance(exc, RuntimeError):
+        return None
+    lowered = str(exc).lower()
+    from_backend = type(exc).__module__.startswith("torch.distributed") or any(
+        k in lowered for k in ("gloo", "nccl", "c10d")
+    )
+    if not from_backend:
+        return None
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if any(k in lowered for k in _COLLECTIVE_TIMEOUT):
+        return TrainingError(
+            f"a collective operation did not complete within parallelism.collective_timeout_seconds "
+            f"({timeout_seconds:g} s): another rank stalled, hung or died. Its log says why; raise the timeout if "
+            f"some step legitimately takes longer (a long checkpoint save or evaluation). ({type(exc).__name__}: {text})"
+        )
+    if any(k in lowered for k in _PEER_GONE):
+        return TrainingError(
+            f"another rank left a collective operation (it crashed or was killed); its log says why. "
+            f"({type(exc).__name__}: {text})"
+        )
+    return None

@@ -8,20 +8,32 @@ A `ParallelContext` is created once by the engine and passed explicitly; there i
 from __future__ import annotations
 
 import datetime
+import gc
+import logging
 import os
+import weakref
 from itertools import product
 
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose: this torch module binds the *current*
+# default group as the default argument of its functions when it is first imported (which a
+# first meta-device initialisation does, through torch._dynamo). Imported after
+# init_process_group, it would keep the default group, and its gloo worker threads, alive until
+# interpreter shutdown, where they abort the process (see `ParallelContext.destroy`).
+import torch.distributed.nn  # noqa: F401  isort: skip
+
 from nanocore.config.schema import ParallelismArgs
 from nanocore.errors import ConfigError
+
+log = logging.getLogger("nanocore")
 
 
 class ParallelContext:
     """Ranks, process groups and the device of this process."""
 
-    def __init__(self, par: ParallelismArgs, *, timeout_minutes: float = 10.0):
+    def __init__(self, par: ParallelismArgs):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -44,6 +56,8 @@ class ParallelContext:
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.tied_group = None
         self.pp_group_ranks: list[int] = [self.rank]
         self.p2p_groups: tuple = (None, None)
+        self._created: list[weakref.ref] = []  # every group this context made, to check they are gone at the end
+        self.timeout = datetime.timedelta(seconds=par.collective_timeout_seconds)
         if self.distributed:
             if not dist.is_initialized():
                 # env:// rendezvous: torchrun sets MASTER_ADDR/PORT, RANK, WORLD_SIZE
@@ -51,10 +65,14 @@ class ParallelContext:
                     self.backend,
                     rank=self.rank,
                     world_size=self.world_size,
-                    timeout=datetime.timedelta(minutes=timeout_minutes),
+                    timeout=self.timeout,
                     device_id=self.device if self.backend == "nccl" else None,
                 )
-            self._make_groups()
+            try:
+                self._make_groups()
+            except BaseException:
+                self.destroy()
+                raise
 
     def global_rank(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
         return dp_rank * self.pp * self.tp + pp_rank * self.tp + tp_rank
@@ -62,7 +80,10 @@ class ParallelContext:
     def _make_groups(self) -> None:
         # Every rank must create every group in the same order (torch.distributed's rule).
         def group(ranks: list[int]):
-            return dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=self.timeout)
+            if isinstance(g, dist.ProcessGroup):  # ranks outside `ranks` get a placeholder
+                self._created.append(weakref.ref(g))
+            return g
 
         for d, p in product(range(self.dp), range(self.pp)):
             ranks = [self.global_rank(d, p, t) for t in range(self.tp)]
@@ -115,5 +136,29 @@ class ParallelContext:
                 dist.barrier()
 
     def destroy(self) -> None:
+        """Destroy every process group and join its threads while the interpreter is fully alive.
+
+        `destroy_process_group` only frees what torch's own tables hold; a gloo group's worker threads
+        are joined by its C++ destructor, which runs when the last Python reference goes. Left to
+        interpreter shutdown, a worker still releasing the last collective's tensors needs the GIL,
+        finds the interpreter finalising and aborts the process ("terminate called without an active
+        exception"). So drop every reference held here and collect now; the engine drops its own (the
+        model's TP layers, gradient buffers, optimizer) before calling this.
+        """
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+        self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.tied_group = None
+        self.p2p_groups = (None, None)
+        self.world_group = None
+        gc.collect()
+        alive = sum(1 for ref in self._created if ref() is not None)
+        if alive:
+            log.warning(
+                "%d process group(s) are still referenced after shutdown (by a plugin or an exception's traceback); "
+                "their threads end when those references go",
+                alive,
+            )
+
+    def live_groups(self) -> int:
+        """How many groups this context made are still alive (0 after a clean `destroy`)."""
+        return sum(1 for ref in self._created if ref() is not None)

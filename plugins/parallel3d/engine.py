@@ -151,6 +151,8 @@ class Engine3D:
             )
         self.trainables = trainables
         args = optimizer_args
+        count = optimizer.extras.get("states_per_element")  # for the start-of-run memory estimate
+        self._states_per_element = count(args.optimizer_factory.args) if count is not None else None
 
         def build_optimizer(param_groups: list[dict]) -> torch.optim.Optimizer:
             return optimizer.factory(
@@ -248,6 +250,29 @@ class Engine3D:
     def flops_per_token(self, sequence_length: int) -> float:
         return float(self._flops_model.flops_per_token(sequence_length))
 
+    def memory_estimate(self) -> dict[str, int | None]:
+        """This rank's bytes for parameters, gradient buffers and (expected) optimizer state."""
+        params = {id(p): p for p in self.model.parameters()}.values()
+        states = self._states_per_element
+        optimizer = None
+        if states is not None and hasattr(self.optimizer, "expected_state_bytes"):
+            optimizer = int(self.optimizer.expected_state_bytes(states))
+        return {
+            "parameters": sum(p.numel() for p in params),
+            "written_parameters": sum(t.param.numel() for t in self.trainables if t.writer) if self.dp_rank == 0 else 0,
+            "params_bytes": sum(p.numel() * p.element_size() for p in params),
+            "grads_bytes": self.grads.buffer.numel() * self.grads.buffer.element_size(),
+            "optimizer_bytes": optimizer,
+        }
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.ctx.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def barrier(self) -> None:
         self.ctx.barrier()
 
@@ -266,4 +291,10 @@ class Engine3D:
         return float(flag) == 0.0
 
     def shutdown(self) -> None:
+        """Drop everything that holds a process group (TP layers, buffers, optimizer), then destroy them."""
+        if getattr(self, "grads", None) is not None:
+            self.grads.close()
+        for name in ("model", "local", "executor", "grads", "optimizer", "trainables", "tied_split", "tp_mode", "_flops_model"):
+            if hasattr(self, name):
+                setattr(self, name, None)
         self.ctx.destroy()

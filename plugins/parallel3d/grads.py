@@ -43,6 +43,7 @@ class GradBuffers:
         self.bucket_of: dict[int, _Bucket] = {}
         self.chunk_of: dict[int, int] = {}
         self.sync_chunk: int | None = None  # chunk whose final backward is running
+        self._hooks: list = []
         offset = 0
         for c, chunk in enumerate(params_by_chunk):
             current: list[nn.Parameter] = []
@@ -52,7 +53,7 @@ class GradBuffers:
                 p.main_grad = self.buffer[offset : offset + n].view_as(p)
                 if p.dtype == dtype:
                     p.grad = p.main_grad
-                p.register_post_accumulate_grad_hook(self._hook)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
                 self.chunk_of[id(p)] = c
                 current.append(p)
                 offset += n
@@ -105,3 +106,13 @@ class GradBuffers:
                 self._launch(bucket)
             if bucket.handle is not None and bucket.handle is not True:
                 bucket.handle.wait()
+
+    def close(self) -> None:
+        """Remove the hooks: parameter -> hook -> buffers -> parameter is a cycle the garbage collector
+        cannot see through (autograd holds the hooks), and it would keep the DP group alive."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.buckets.clear()
+        self.bucket_of.clear()
+        self.dp_group = None

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before any group exists: see plugins/parallel3d/context.py
 import torch.multiprocessing as mp
 
 

@@ -10,7 +10,8 @@ the extras of its model registry entry:
 
 - `hf_architectures`: the `architectures` names of config.json it converts (["LlamaForCausalLM"]);
 - `to_hf(model_config, state) -> (hf_config: dict, hf_state: dict)`: from full tensors as a
-  checkpoint holds them (vocabulary possibly padded, a tied pair once);
+  checkpoint holds them (the true vocabulary of the parameters the model declares in
+  `vocab_parameters`, a tied pair once);
 - `from_hf(hf_config: dict, hf_state: dict) -> (model_config, state)`: to the tensors the model's
   `named_parameters()` lists, unpadded.
 
@@ -31,11 +32,13 @@ import torch
 import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from nanocore.checkpoint.folder import FORMAT_VERSION, begin_save, finish_save, resolve_checkpoint, write_json
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader, write_shards
-from nanocore.config import Config, GeneralArgs, ModelArgs, TokenizerArgs, read_yaml, unstructure_config
+from nanocore.config import Config, GeneralArgs, ModelArgs, TokenizerArgs, unstructure_config
 from nanocore.errors import ConfigError, NanocoreError, PluginError
+from nanocore.model_api import valid_rows
 from nanocore.registry import Entry, Registries
 from nanocore.sharding import Placement
 
@@ -144,46 +147,11 @@ def _check_tensors(entry: Entry, model_config: Any, state: dict[str, torch.Tenso
         raise NanocoreError(f"the weights in {source} do not fit model type {entry.name!r} with their config: {shown}")
 
 
-# -- in-memory reader for engines --------------------------------------------------------------
-class StateReader:
-    """`ShardReader`'s read API over full tensors held in memory (weights converted from another format).
-
-    Rows past a tensor's stored ones (the vocabulary padding an engine adds for tensor parallelism)
-    read as zeros; the loss and generation never use them.
-    """
-
-    def __init__(self, state: dict[str, torch.Tensor], source: str):
-        self.state, self.source = state, source
-
-    def names(self) -> list[str]:
-        return sorted(self.state)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.state
-
-    def full_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.state[name].shape)
-
-    def read(
-        self, name: str, placement: Placement, shape: tuple[int, ...], dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        if name not in self.state:
-            raise NanocoreError(f"{self.source} has no tensor {name!r}")
-        full, want = self.state[name], tuple(placement.full_shape)
-        have = tuple(full.shape)
-        if have != want:
-            if not (len(have) == len(want) and have[1:] == want[1:] and have[0] < want[0]):
-                raise NanocoreError(
-                    f"{self.source}: tensor {name!r} has shape {list(have)}, the model expects {list(want)}"
-                )
-            full = torch.cat([full, full.new_zeros((want[0] - have[0], *have[1:]))])
-        return full[placement.slices(shape)].to(dtype or full.dtype).clone()
-
-
-def init_reader(path: str | Path, model_args: ModelArgs, registries: Registries) -> ShardReader | StateReader:
+def init_reader(path: str | Path, model_args: ModelArgs, registries: Registries) -> ShardReader:
     """A reader over the weights `model.init_method.path` names: an HF folder or a nanocore checkpoint.
 
-    An HF folder's converted model config must equal the YAML's `model.model_config`.
+    An HF folder's converted model config must equal the YAML's `model.model_config`. Its tensors
+    are read like a checkpoint's: the vocabulary rows a layout pads read as zeros.
     """
     if not is_hf_folder(path):
         return ShardReader(resolve_checkpoint(path) / "model")
@@ -194,7 +162,7 @@ def init_reader(path: str | Path, model_args: ModelArgs, registries: Registries)
             f"set these as in {Path(path) / HF_CONFIG} (`nanocore convert --from-hf` writes the matching config.yaml)"
         )
         raise ConfigError([f"{p}, but model.init_method.path {str(path)!r} holds {v}" for p, v in problems] + [hint])
-    return StateReader(hf.state, str(path))
+    return ShardReader.from_tensors(hf.state, str(path))
 
 
 def model_differences(model_args: ModelArgs, model_type: str, model_config: Any) -> list[tuple[str, str]]:
@@ -213,31 +181,43 @@ def model_differences(model_args: ModelArgs, model_type: str, model_config: Any)
 
 
 # -- nanocore checkpoint -> HF ------------------------------------------------------------------
-def checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
-    """Every full tensor of a checkpoint's model, assembled from the pieces whatever layout wrote them."""
+def checkpoint_state(folder: Path, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """Every full tensor of a checkpoint's model, assembled from the pieces whatever layout wrote them.
+
+    With the (meta) `model`, the parameters it declares in `vocab_parameters` hold the true
+    vocabulary only, also from a format-version-1 checkpoint, which saved the padding.
+    """
     reader = ShardReader(folder / "model")
     if not reader.names():
         raise NanocoreError(f"checkpoint {folder} has no model weights")
-    return {n: reader.read(n, Placement.whole(reader.full_shape(n)), reader.full_shape(n)) for n in reader.names()}
+    state = {}
+    for name in reader.names():
+        shape = reader.full_shape(name)
+        rows = valid_rows(model, name) if model is not None else None
+        if rows is not None:
+            shape = (rows, *shape[1:])
+        state[name] = reader.read(name, attrs.evolve(Placement.whole(shape), valid_rows=rows), shape)
+    return state
 
 
 def to_hf(checkpoint: str | Path, out_dir: str | Path, plugins: Sequence[str] = (), dtype: str | None = None) -> Path:
     """Write checkpoint's model as a transformers folder (config.json, model.safetensors, tokenizer files)."""
-    from nanocore.generate_cmd import checkpoint_plugins, structure_section
+    from nanocore.checkpoint.config import read_checkpoint_config, structure_section
+    from nanocore.checkpoint.verify import verify_checkpoint
     from nanocore.plugins import load_plugins
 
     folder = resolve_checkpoint(checkpoint)
-    raw = read_yaml(folder / "config.yaml")
-    if not isinstance(raw, dict):
-        raise NanocoreError(f"{folder / 'config.yaml'} is not a nanocore config")
-    found, missing = checkpoint_plugins([str(p) for p in raw.get("plugins") or []], folder)
-    registries = load_plugins(list(plugins) + found).registries
-    model_args: ModelArgs = structure_section(raw, "model", ModelArgs, registries, missing)
+    verify_checkpoint(folder, optimizer=False)
+    raw = read_checkpoint_config(folder)
+    registries = load_plugins(list(plugins)).registries  # never the plugins the checkpoint names
+    model_args: ModelArgs = structure_section(raw, "model", ModelArgs, registries)
     entry = registries.model.get(model_args.model_type, path="model.model_config.model_type")
     if "to_hf" not in entry.extras:
         raise PluginError(f"model type {entry.name!r} (plugin {entry.plugin!r}) has no Hugging Face conversion (to_hf)")
+    with torch.device("meta"):
+        model = entry.factory(model_args)
     out = _empty_folder(out_dir)
-    hf_config, hf_state = entry.extras["to_hf"](model_args.model_config, checkpoint_state(folder))
+    hf_config, hf_state = entry.extras["to_hf"](model_args.model_config, checkpoint_state(folder, model))
     write_hf(out, hf_config, hf_state, dtype)
     _copy_tokenizer((raw.get("tokenizer") or {}).get("tokenizer_name_or_path"), out)
     log.info("wrote %s (step %s of %s) as a transformers folder", out, folder.name, folder.parent)

@@ -12,11 +12,11 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
-from nanocore.errors import ConfigError, NanocoreError
+from nanocore.errors import NanocoreError
 
 if TYPE_CHECKING:
     import torch
@@ -55,45 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _local_plugin_candidates(spec: str, folder: Path) -> list[Path]:
-    """Where a plugin file named in a checkpoint's config may be: as given, from the cwd, beside the checkpoint."""
-    path = Path(spec).expanduser()
-    if path.is_absolute():
-        return [path]
-    return [Path.cwd() / path, *(parent / path for parent in [folder, *folder.parents][:3])]
-
-
-def checkpoint_plugins(specs: list[str], folder: Path) -> tuple[list[str], list[str]]:
-    """(plugins found, plugin files not found) among the `plugins:` of a checkpoint's config."""
-    found, missing = [], []
-    for spec in specs:
-        if not (spec.endswith(".py") or "/" in spec):
-            found.append(spec)  # a module name: importable from anywhere or not at all
-            continue
-        hit = next((p for p in _local_plugin_candidates(spec, folder) if p.is_file()), None)
-        if hit is None:
-            missing.append(spec)
-        else:
-            found.append(str(hit.resolve()))
-    return found, missing
-
-
-def structure_section(raw: dict, key: str, cls: type, registries: Any, missing: list[str]) -> Any:
-    from nanocore.config.converter import collect_problems, make_converter
-
-    try:
-        return make_converter(registries).structure(raw.get(key, {}), cls)
-    except Exception as exc:
-        top = "<top level>: "
-        problems = [f"{key}: {p[len(top) :]}" if p.startswith(top) else f"{key}.{p}" for p in collect_problems(exc)]
-        if missing:
-            problems.append(
-                f"the checkpoint was trained with local plugin(s) {', '.join(missing)} (listed in its config.yaml, "
-                "relative to the training YAML's folder), which were not found from here: pass each with --plugin FILE"
-            )
-        raise ConfigError(problems) from None
-
-
 def load_checkpoint_model(
     path: str | Path, plugins: Sequence[str] = (), device: str | torch.device = "cpu"
 ) -> CheckpointModel:
@@ -101,39 +62,33 @@ def load_checkpoint_model(
     # Imported here rather than at the top so that `nanocore --help` does not wait for torch.
     import torch
 
+    from nanocore.checkpoint.config import named_plugins, read_checkpoint_config, structure_section, untrusted_note
     from nanocore.checkpoint.folder import read_json, resolve_checkpoint
     from nanocore.checkpoint.tensors import ShardReader
-    from nanocore.config.converter import read_yaml
+    from nanocore.checkpoint.verify import verify_checkpoint
     from nanocore.config.schema import ModelArgs, TokenizerArgs
     from nanocore.data.build import build_tokenizer
-    from nanocore.model_api import check_model
+    from nanocore.model_api import check_model, whole_placement
     from nanocore.plugins import load_plugins
-    from nanocore.sharding import Placement
 
     folder = resolve_checkpoint(path)
+    verify_checkpoint(folder, optimizer=False)  # a damaged file is one message naming it
     meta = read_json(folder / "meta.json")
-    raw = read_yaml(folder / "config.yaml")
-    if not isinstance(raw, dict):
-        raise NanocoreError(f"{folder / 'config.yaml'} is not a nanocore config")
-    yaml_plugins = raw.get("plugins") or []
-    found, missing = checkpoint_plugins([str(p) for p in yaml_plugins], folder)
-    if missing:
-        log.info("local plugin(s) of the training run not found (fine unless they provide the model): %s", missing)
-    loaded = load_plugins(list(plugins) + found)
-    registries = loaded.registries
-    model_args: ModelArgs = structure_section(raw, "model", ModelArgs, registries, missing)
-    tokenizer_args: TokenizerArgs = structure_section(raw, "tokenizer", TokenizerArgs, registries, missing)
+    raw = read_checkpoint_config(folder)
+    registries = load_plugins(list(plugins)).registries  # never the plugins the checkpoint names
+    model_args: ModelArgs = structure_section(raw, "model", ModelArgs, registries)
+    tokenizer_args: TokenizerArgs = structure_section(raw, "tokenizer", TokenizerArgs, registries)
+    if named_plugins(raw):
+        log.info("%s (only needed if they provide the model or the tokenizer)", untrusted_note(named_plugins(raw)))
 
     entry = registries.model.get(model_args.model_type, path="model.model_config.model_type")
-    # The engine pads the vocabulary to a multiple of make_vocab_size_divisible_by x tp: use the
-    # training run's tp, or the embedding would not have the saved shape.
-    tp = int(meta.get("topology", {}).get("tp", 1))
     device = torch.device(device)
     dtype = torch.float32 if device.type == "cpu" or model_args.dtype == "float32" else torch.bfloat16
     if device.type != "cpu" and model_args.dtype == "float16":
         dtype = torch.float16
     with torch.device("meta"):
-        model = entry.factory(model_args, vocab_multiple=model_args.make_vocab_size_divisible_by * tp)
+        # One device: pad the vocabulary as tp=1 would; checkpoints hold the true rows (zeros fill the rest).
+        model = entry.factory(model_args, vocab_multiple=model_args.make_vocab_size_divisible_by)
     check_model(model, entry.name)
     model.to(dtype).to_empty(device=device)
     for first, second in getattr(model, "tied_parameters", []):  # to_empty unties shared parameters
@@ -144,7 +99,7 @@ def load_checkpoint_model(
         # named_parameters() lists a tied parameter once, under its first name: the name it was saved under.
         for name, param in model.named_parameters():
             shape = tuple(param.shape)
-            param.copy_(reader.read(name, Placement.whole(shape), shape, dtype=dtype))
+            param.copy_(reader.read(name, whole_placement(model, name, shape), shape, dtype=dtype))
     model.eval()
     tokenizer = build_tokenizer(tokenizer_args, registries)
     return CheckpointModel(model, tokenizer, model_args, folder, int(meta["step"]))
@@ -152,8 +107,8 @@ def load_checkpoint_model(
 
 def run(args: argparse.Namespace) -> int:
     """The `generate` command: print the prompt followed by the generated text."""
-    from nanocore.cli import setup_logging
     from nanocore.generation import generate
+    from nanocore.log_setup import setup_logging
 
     setup_logging()
     if args.max_new_tokens < 0:
@@ -185,11 +140,3 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(args.prompt + tokenizer.decode(new_ids) + "\n")
     sys.stdout.flush()
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry for run_generate.py: the `generate` command's arguments without the command name."""
-    from nanocore.cli import run as run_cli
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    sys.exit(run_cli(["generate", *argv]))

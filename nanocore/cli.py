@@ -3,31 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import logging
-import os
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 
-from nanocore import generate_cmd  # light: torch is imported when the command runs
+from nanocore import __version__, generate_cmd  # light: torch is imported when a command runs
 from nanocore.errors import NanocoreError
+from nanocore.log_setup import rank, setup_logging
 
 ERROR_GRACE_S = 10.0  # how long ranks other than 0 wait before exiting on a user error
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def setup_logging(level: str = "info", replica_level: str = "warning") -> None:
-    rank = _rank()
-    chosen = level if rank == 0 else replica_level
-    logging.basicConfig(
-        level=getattr(logging, chosen.upper(), logging.INFO),
-        format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        force=True,
+def add_overrides_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY.PATH=VALUE",
+        help="override config values (YAML-typed), e.g. tokens.train_steps=10 optimizer.clip_grad=null",
     )
 
 
@@ -36,6 +31,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plugin", action="append", default=[], metavar="FILE_OR_MODULE", help="load a local plugin (repeatable)"
     )
+    add_overrides_argument(parser)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -43,7 +39,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from nanocore.trainer import run_training
 
     setup_logging()
-    loaded = load_config(args.config_file, args.plugin)
+    loaded = load_config(args.config_file, args.plugin, overrides=args.overrides)
     setup_logging(loaded.config.logging.log_level, loaded.config.logging.log_level_replica)
     run_training(loaded)
     return 0
@@ -52,8 +48,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     from nanocore.config import dump_yaml
     from nanocore.config.load import load_config
+    from nanocore.preflight import check_inputs
 
-    loaded = load_config(args.config, args.plugin, world_size=args.world_size)
+    loaded = load_config(args.config, args.plugin, world_size=args.world_size, overrides=args.overrides)
+    for line in check_inputs(loaded.config, loaded.plugins.registries, loaded.path.resolve().parent, data=not args.skip_data):
+        print(f"ok: {line}", file=sys.stderr)
     sys.stdout.write(dump_yaml(loaded.config))
     return 0
 
@@ -110,22 +109,34 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
+    from nanocore.checkpoint.verify import verify_command
+
+    return verify_command(args.path, every=args.all)
+
+
 def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanocore", description="nanocore: plugin-based 3D-parallel LLM pretraining")
+    parser.add_argument("--version", action="version", version=f"nanocore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plugins", help="list plugins and every registry's names")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE")
     p.set_defaults(func=cmd_plugins)
-    p = sub.add_parser("config", help="validate a config and print it with every default filled in")
+    p = sub.add_parser(
+        "config",
+        help="validate a config and the tokenizer and data it names; print it with every default filled in",
+    )
     p.add_argument("config")
     p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE")
     p.add_argument("--world-size", type=int, default=None, help="also check dp x tp x pp against this many processes")
+    p.add_argument("--skip-data", action="store_true", help="do not build the datasets (the tokenizer is still checked)")
+    add_overrides_argument(p)
     p.set_defaults(func=cmd_config)
-    p = sub.add_parser("train", help="train (same as run_train.py)")
+    p = sub.add_parser("train", help=f"{TRAIN_HELP} (same as run_train.py)")
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
-    p = sub.add_parser("generate", help="continue a prompt with a checkpoint's model (same as run_generate.py)")
+    p = sub.add_parser("generate", help=f"{GENERATE_HELP} (same as run_generate.py)")
     generate_cmd.add_arguments(p)
     p.set_defaults(func=generate_cmd.run)
     p = sub.add_parser("convert", help="convert a checkpoint to a Hugging Face transformers folder, or back")
@@ -137,6 +148,14 @@ def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="--to-hf: cast the weights")
     p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE")
     p.set_defaults(func=cmd_convert)
+    p = sub.add_parser("checkpoint", help="inspect saved checkpoints")
+    checkpoint = p.add_subparsers(dest="checkpoint_command", required=True)
+    p = checkpoint.add_parser(
+        "verify", help="check a checkpoint without training: manifest, checksums, meta.json, config.yaml, coverage"
+    )
+    p.add_argument("path", help="a checkpoints folder (follows latest.txt) or one step folder")
+    p.add_argument("--all", action="store_true", help="check every step folder of a checkpoints folder")
+    p.set_defaults(func=cmd_checkpoint_verify)
     for name, entry in plugin_commands.items():
         p = sub.add_parser(name, help=entry.description or f"provided by plugin {entry.plugin}")
         add = entry.extras.get("add_arguments")
@@ -148,8 +167,8 @@ def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
 
 def _plugin_commands(argv: Sequence[str]) -> dict:
     """Commands registered by plugins; only loaded when the command is not a built-in one."""
-    builtin = {"plugins", "config", "train", "generate", "convert", "-h", "--help"}
-    if argv and argv[0] in builtin - {"-h", "--help"}:
+    builtin = {"plugins", "config", "train", "generate", "convert", "checkpoint"}
+    if argv and (argv[0] in builtin or argv[0] in ("--version", "-V")):
         return {}
     from nanocore.plugins import load_plugins
 
@@ -157,25 +176,57 @@ def _plugin_commands(argv: Sequence[str]) -> dict:
     return {e.name: e for e in registry}
 
 
-def run(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; user errors print one message (on rank 0 only) and return 2."""
+TRAIN_HELP = "train a model from a YAML config (one process, or every rank under torchrun)"
+GENERATE_HELP = "continue a prompt with a checkpoint's model"
+
+
+def _standalone_parser(command: str, prog: str) -> argparse.ArgumentParser:
+    """The parser of one built-in command under a script's own name (run_train.py, run_generate.py)."""
+    add, func, description = {
+        "train": (add_train_arguments, cmd_train, TRAIN_HELP),
+        "generate": (generate_cmd.add_arguments, generate_cmd.run, GENERATE_HELP),
+    }[command]
+    parser = argparse.ArgumentParser(prog=prog, description=f"nanocore: {description}")
+    parser.add_argument("--version", action="version", version=f"nanocore {__version__}")
+    add(parser)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def run(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """Run the CLI and return the exit status. With `prog`, `argv[0]` is a command run as script `prog`.
+
+    User errors print one message (on rank 0 only) and return 2; a signal that stopped training
+    returns 128 + its number; any other exception prints its traceback and returns 1. Whatever
+    happened, the exception (and the frames it holds) is gone and garbage collected before this
+    returns, so that process groups are destroyed while the interpreter is fully alive.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser = build_parser(_plugin_commands(argv))
-        args = parser.parse_args(argv)
+        if prog is not None:
+            args = _standalone_parser(argv[0], prog).parse_args(argv[1:])
+        else:
+            args = build_parser(_plugin_commands(argv)).parse_args(argv)
         return int(args.func(args) or 0)
     except NanocoreError as exc:
-        if _rank() == 0:
+        code = getattr(exc, "exit_code", 2)
+        if rank() == 0:
             print(f"nanocore: error: {exc}", file=sys.stderr)
-        else:
+        elif code == 2:
             # A config error happens on every rank: rank 0 reports it, exits, and torchrun stops this
             # rank during the wait, so the message appears once. An error of this rank alone (a file
             # missing on one node) is still reported once the wait is over.
             time.sleep(ERROR_GRACE_S)
-            print(f"nanocore: error (rank {_rank()}): {exc}", file=sys.stderr)
-        return 2
+            print(f"nanocore: error (rank {rank()}): {exc}", file=sys.stderr)
+        return code
     except KeyboardInterrupt:
+        print(f"nanocore: interrupted (rank {rank()})", file=sys.stderr)
         return 130
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        gc.collect()
 
 
 def main() -> None:
@@ -183,6 +234,12 @@ def main() -> None:
 
 
 def train_main(argv: Sequence[str] | None = None) -> None:
-    """Entry for run_train.py: `--config-file` and `--plugin` without the `train` subcommand."""
+    """Entry for run_train.py: the `train` command's arguments, under the script's own name."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    sys.exit(run(["train", *argv]))
+    sys.exit(run(["train", *argv], prog="run_train.py"))
+
+
+def generate_main(argv: Sequence[str] | None = None) -> None:
+    """Entry for run_generate.py: the `generate` command's arguments, under the script's own name."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sys.exit(run(["generate", *argv], prog="run_generate.py"))

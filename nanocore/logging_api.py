@@ -22,6 +22,11 @@ class LoggerContext:
     config_dict: dict  # the config as plain data (what wandb/tensorboard record)
     start_step: int  # last completed step before this launch (0 for a fresh run)
     total_steps: int
+    # True when this launch continues the run that wrote log_dir (a resume, or a rerun with
+    # `resume_checkpoint_path: latest`): append to its files, never truncate them. False for a fresh
+    # run, whose log_dir was empty (or `checkpoints.overwrite: true` asked to replace it).
+    append: bool = False
+    run_id: str | None = None  # stable across the launches of one run (kept in checkpoints); W&B uses it
 
 
 class Logger(Protocol):

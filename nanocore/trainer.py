@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
+import traceback
+import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -26,17 +29,21 @@ from nanocore.checkpoint.folder import (
     write_json,
 )
 from nanocore.checkpoint.tensors import ShardReader, write_shards
+from nanocore.checkpoint.verify import verify_for_resume
 from nanocore.config import Config, unstructure_config
 from nanocore.config.load import LoadedConfig
-from nanocore.convert import init_reader
-from nanocore.data.api import DatasetContext
-from nanocore.data.build import build_mixture, build_tokenizer, cache_dir, check_vocab
+from nanocore.convert import init_reader, is_hf_folder
+from nanocore.data.build import build_tokenizer, check_vocab, stage_mixture
 from nanocore.data.schedule import DataSchedule
 from nanocore.engine_api import Engine
-from nanocore.errors import NanocoreError, TrainingError
+from nanocore.errors import NanocoreError, TrainingError, TrainingInterrupted, explain_collective_failure
 from nanocore.logging_api import LoggerContext
 from nanocore.lr_schedule import LRSchedule
+from nanocore.memory import MemoryMeter
 from nanocore.mfu import mfu, peak_flops_per_device
+from nanocore.run_folders import clear_for_overwrite, plan_run_folders
+from nanocore.signals import StopRequests
+from nanocore.summary import run_summary
 
 log = logging.getLogger("nanocore")
 
@@ -49,17 +56,34 @@ class Trainer:
         self.plugins = loaded.plugins
         self.registries = loaded.plugins.registries
         self.config_dir = loaded.path.resolve().parent if loaded.path else None
+        self.overrides = list(loaded.overrides)
         cfg = self.config
         self.run_name = cfg.general.run.replace("%date", datetime.now().strftime("%Y%m%d_%H%M%S"))
-
+        self.run_id = uuid.uuid4().hex[:16]  # replaced by the checkpoint's when this run continues
+        # Decided before any process group exists: a refusal leaves everything on disk as it was.
+        self.folders = plan_run_folders(cfg)
+        self.checkpoint_root = self.folders.checkpoints
+        self.loggers: list[Any] = []
+        self._closed = False
         engine_entry = self.registries.parallel_engine.get(cfg.parallelism.engine)
         self.engine: Engine = engine_entry.factory(cfg, self.registries)
+        try:
+            self._build()
+        except BaseException as exc:
+            # the frames of a failed build hold the model's layers, and through them process groups
+            traceback.clear_frames(exc.__traceback__)
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        cfg, engine = self.config, self.engine
+        self.memory = MemoryMeter(engine.device)  # after start-up, before the run holds anything
         self.tokenizer = build_tokenizer(cfg.tokenizer, self.registries)
-        self.engine.setup_model(self.registries.model.get(cfg.model.model_type), cfg.model, cfg.general.seed)
-        self.true_vocab_size = self.engine.true_vocab_size
+        engine.setup_model(self.registries.model.get(cfg.model.model_type), cfg.model, cfg.general.seed)
+        self.true_vocab_size = engine.true_vocab_size
         check_vocab(self.tokenizer, self.true_vocab_size)
         opt = cfg.optimizer
-        self.engine.setup_optimizer(
+        engine.setup_optimizer(
             self.registries.optimizer.get(opt.optimizer_factory.name),
             self.registries.zero_stage.get(str(opt.zero_stage)),
             opt,
@@ -72,11 +96,15 @@ class Trainer:
         self.validation = self._data_schedule("validation_dataset") if self._validating else None
         self.step = 0
         self.consumed_tokens = 0
-        self.checkpoint_root = Path(cfg.checkpoints.checkpoints_path)
         self._maybe_resume()
+        if self.folders.overwrite and engine.is_main:
+            clear_for_overwrite(self.folders)
         self.tokens_per_step = cfg.global_batch_size * cfg.tokens.sequence_length
-        self._peak = peak_flops_per_device(self.engine.device, self.engine.dtype)
-        self.loggers = self._make_loggers() if self.engine.is_main else []
+        self._peak = peak_flops_per_device(engine.device, engine.dtype)
+        summary = run_summary(self)  # every rank takes part: it gathers per-rank sizes
+        if engine.is_main:
+            log.info("%s", summary)
+            self.loggers = self._make_loggers()
 
     # -- construction ---------------------------------------------------------------------
     @property
@@ -89,20 +117,19 @@ class Trainer:
         stages = cfg.data_stages
 
         def build(index: int):
-            stage = stages[index]
-            seed = stage.data.seed if stage.data.seed is not None else cfg.general.seed
-            ctx = DatasetContext(
-                tokenizer=self.tokenizer,
-                sequence_length=cfg.tokens.sequence_length,
-                vocab_size=self.true_vocab_size,
-                seed=seed,
-                cache_dir=cache_dir(),
-                is_main_process=self.engine.is_main,
+            split = "train" if key == "dataset" else "validation"
+            log.info("data stage %r (%s): building datasets", stages[index].name, split)
+            return stage_mixture(
+                cfg,
+                index,
+                key,
+                self.tokenizer,
+                self.true_vocab_size,
+                self.registries,
+                is_main=self.engine.is_main,
                 barrier=self.engine.barrier,
-                split="train" if key == "dataset" else "validation",
+                config_dir=self.config_dir,
             )
-            log.info("data stage %r (%s): building datasets", stage.name, ctx.split)
-            return build_mixture(getattr(stage.data, key), ctx, self.registries, seed)
 
         return DataSchedule(
             [s.name for s in stages],
@@ -124,27 +151,39 @@ class Trainer:
             config_dict=unstructure_config(cfg),
             start_step=self.step,
             total_steps=cfg.tokens.train_steps,
+            append=self.folders.continues,
+            run_id=self.run_id,
         )
         return [self.registries.logger.get(s.name).factory(s.options, ctx) for s in cfg.logging.loggers]
 
     # -- checkpoints ----------------------------------------------------------------------
     def _maybe_resume(self) -> None:
         cfg = self.config.checkpoints
-        path = cfg.resume_checkpoint_path
-        if path and Path(path).resolve() == self.checkpoint_root.resolve() and not (Path(path) / "latest.txt").exists():
-            log.info("no checkpoint in %s yet: starting from scratch", path)
-            path = None
-        if not path:
+        folder = self.folders.resume_from  # resolved (`latest` included) before the engine was made
+        if folder is None:
+            if self.folders.continues:
+                log.info("no checkpoint in %s yet: starting from scratch", self.checkpoint_root)
             init = self.config.model.init_method.path
             if init:  # a nanocore checkpoint or a Hugging Face folder
+                if not is_hf_folder(init):
+                    engine = self.engine
+                    verify_for_resume(resolve_checkpoint(init), is_main=engine.is_main,
+                                      broadcast=engine.broadcast_object, load_optimizer=False)  # fmt: skip
                 self.engine.load_model(init_reader(init, self.config.model, self.registries))
                 log.info("initialised weights from %s", init)
             return
-        folder = resolve_checkpoint(path)
+        engine = self.engine  # rank 0 checks sizes, checksums and coverage; every rank gets the verdict
+        verify_for_resume(
+            folder, is_main=engine.is_main, broadcast=engine.broadcast_object, load_optimizer=cfg.load_optimizer
+        )
         meta = read_json(folder / "meta.json")
+        if self.folders.continues and meta.get("run_id"):
+            self.run_id = str(meta["run_id"])  # the same run goes on: loggers such as W&B continue it
         self.engine.load_model(ShardReader(folder / "model"))
         if cfg.load_optimizer:
             self.engine.load_optimizer(ShardReader(folder / "optimizer"))
+        elif engine.is_main:
+            log.info("optimizer state not loaded (checkpoints.load_optimizer: false): it starts afresh")
         if cfg.load_lr_scheduler:
             self.lr_schedule.load_state_dict(meta["lr_scheduler"])
         self.data.load_state_dict(meta["data"])
@@ -158,25 +197,40 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         engine, cfg = self.engine, self.config
-        tmp = begin_save(self.checkpoint_root, self.step, engine.is_main, engine.barrier)
-        rank_file = f"rank-{engine.rank:05d}.safetensors"
-        write_shards(tmp / "model" / rank_file, engine.model_shards())
-        write_shards(tmp / "optimizer" / rank_file, engine.optimizer_shards())
-        save_rng(tmp, engine.rank)
-        if engine.is_main:
-            par = cfg.parallelism
-            meta = {
-                "format_version": FORMAT_VERSION,
-                "step": self.step,
-                "consumed_tokens": self.consumed_tokens,
-                "topology": {"dp": par.dp, "tp": par.tp, "pp": par.pp, "world_size": engine.world_size},
-                "data": self.data.state_dict(),
-                "lr_scheduler": self.lr_schedule.state_dict(),
-                "model_type": cfg.model.model_type,
-            }
-            write_json(tmp / "meta.json", meta)
-            (tmp / "config.yaml").write_text(yaml.safe_dump(self._portable_config(), sort_keys=False))
-        folder = finish_save(self.checkpoint_root, self.step, engine.is_main, engine.barrier)
+        # a write failing on one rank (a full disk) fails the save on every rank with one message
+        tmp = begin_save(self.checkpoint_root, self.step, engine.is_main, engine.barrier, engine.all_ranks_ok)
+        failure = None
+        try:
+            rank_file = f"rank-{engine.rank:05d}.safetensors"
+            write_shards(tmp / "model" / rank_file, engine.model_shards())
+            write_shards(tmp / "optimizer" / rank_file, engine.optimizer_shards())
+            save_rng(tmp, engine.rank)
+            if engine.is_main:
+                par = cfg.parallelism
+                meta = {
+                    "format_version": FORMAT_VERSION,
+                    "step": self.step,
+                    "consumed_tokens": self.consumed_tokens,
+                    "topology": {"dp": par.dp, "tp": par.tp, "pp": par.pp, "world_size": engine.world_size},
+                    "data": self.data.state_dict(),
+                    "lr_scheduler": self.lr_schedule.state_dict(),
+                    "model_type": cfg.model.model_type,
+                    "run_id": self.run_id,
+                }
+                write_json(tmp / "meta.json", meta)
+                (tmp / "config.yaml").write_text(yaml.safe_dump(self._portable_config(), sort_keys=False))
+        except Exception as exc:  # handed to finish_save, which tells every rank
+            failure = exc
+        folder = finish_save(
+            self.checkpoint_root,
+            self.step,
+            engine.is_main,
+            engine.barrier,
+            rank=engine.rank,
+            failure=failure,
+            agree=engine.all_ranks_ok,
+            keep_last_n=cfg.checkpoints.keep_last_n,
+        )
         if engine.is_main:
             log.info("saved checkpoint %s", folder)
         self.plugins.hook.on_checkpoint_saved(step=self.step, path=folder, trainer=self)
@@ -216,52 +270,82 @@ class Trainer:
         return loss
 
     def train(self) -> list[float]:
-        """Run to `tokens.train_steps`; returns this launch's per-step losses."""
+        """Run to `tokens.train_steps`; returns this launch's per-step losses.
+
+        SIGTERM / SIGINT end the run after the current step with a checkpoint (`TrainingInterrupted`).
+        """
         cfg = self.config
         losses: list[float] = []
         self.plugins.hook.on_train_start(config=cfg, trainer=self)
         try:
-            if cfg.checkpoints.save_initial_state and self.step == 0:
-                self.save_checkpoint()
-            interval = max(1, cfg.logging.iteration_step_info_interval)
-            while self.step < cfg.tokens.train_steps:
-                step = self.step + 1
-                micro_batches = self.data.next_batch(step)
-                # the schedule counts its own steps: equal to `step` unless a resume restarted it
-                # (checkpoints.load_lr_scheduler: false), which begins a fresh warmup and decay
-                lr = self.lr_schedule.lr_at(self.lr_schedule.step + 1)
-                start = time.perf_counter()
-                out = self.engine.train_step(micro_batches, lr)
-                elapsed = time.perf_counter() - start
-                if out.skipped or not math.isfinite(out.loss):
-                    last = self.checkpoint_root / "latest.txt"
-                    where = f"the last good checkpoint is {last.read_text().strip()} in {self.checkpoint_root}" if last.exists() else "no checkpoint was written yet"
-                    raise TrainingError(
-                        f"loss is {out.loss} at step {step}: training stopped before updating the weights; {where}. "
-                        "Lower optimizer.learning_rate_scheduler.learning_rate, set optimizer.clip_grad, or check the data."
-                    )
-                self.step = step
-                self.lr_schedule.step += 1
-                self.consumed_tokens += self.tokens_per_step
-                losses.append(out.loss)
-                metrics = self._metrics(out, lr, elapsed)
-                if step % interval == 0 or step == cfg.tokens.train_steps:
-                    self._log(metrics)
-                if self.validation is not None and step % cfg.tokens.val_check_interval == 0:
-                    self.validate()
-                every = cfg.checkpoints.checkpoint_interval
-                if every > 0 and step % every == 0:
+            with StopRequests() as stops:
+                if cfg.checkpoints.save_initial_state and self.step == 0:
                     self.save_checkpoint()
-                self.plugins.hook.on_step_end(step=step, metrics=metrics, trainer=self)
-            if cfg.checkpoints.save_final_state and not (
-                cfg.checkpoints.checkpoint_interval > 0 and self.step % cfg.checkpoints.checkpoint_interval == 0
-            ):
-                self.save_checkpoint()
+                interval = max(1, cfg.logging.iteration_step_info_interval)
+                self.memory.reset()
+                while self.step < cfg.tokens.train_steps:
+                    saved = self._train_one_step(losses, interval)
+                    if self._agree_to_stop(stops):
+                        folder = saved or self.save_checkpoint()
+                        raise TrainingInterrupted(stops.signal_number or signal.SIGTERM, self.step, folder)
+                if cfg.checkpoints.save_final_state and not (
+                    cfg.checkpoints.checkpoint_interval > 0 and self.step % cfg.checkpoints.checkpoint_interval == 0
+                ):
+                    self.save_checkpoint()
+        except Exception as exc:
+            explained = explain_collective_failure(exc, cfg.parallelism.collective_timeout_seconds)
+            if explained is None:
+                raise
+            raise explained from exc
         finally:
             self.plugins.hook.on_train_end(step=self.step, trainer=self)
-            for logger in self.loggers:
-                logger.close()
+            self._close_loggers()
         return losses
+
+    def _train_one_step(self, losses: list[float], interval: int) -> Path | None:
+        """One optimizer step with its logging, validation, checkpoint and hooks; the checkpoint saved, if any."""
+        cfg = self.config
+        step = self.step + 1
+        micro_batches = self.data.next_batch(step)
+        # the schedule counts its own steps: equal to `step` unless a resume restarted it
+        # (checkpoints.load_lr_scheduler: false), which begins a fresh warmup and decay
+        lr = self.lr_schedule.lr_at(self.lr_schedule.step + 1)
+        start = time.perf_counter()
+        out = self.engine.train_step(micro_batches, lr)
+        elapsed = time.perf_counter() - start
+        if out.skipped or not math.isfinite(out.loss):
+            last = self.checkpoint_root / "latest.txt"
+            where = (
+                f"the last good checkpoint is {last.read_text().strip()} in {self.checkpoint_root}"
+                if last.exists()
+                else "no checkpoint was written yet"
+            )
+            raise TrainingError(
+                f"loss is {out.loss} at step {step}: training stopped before updating the weights; {where}. "
+                "Lower optimizer.learning_rate_scheduler.learning_rate, set optimizer.clip_grad, or check the data."
+            )
+        self.step = step
+        self.lr_schedule.step += 1
+        self.consumed_tokens += self.tokens_per_step
+        losses.append(out.loss)
+        metrics = self._metrics(out, lr, elapsed)
+        if step % interval == 0 or step == cfg.tokens.train_steps:
+            self._log(metrics)
+            self.memory.reset()  # each row's peak is the peak since the previous row
+        if self.validation is not None and step % cfg.tokens.val_check_interval == 0:
+            self.validate()
+        saved = None
+        every = cfg.checkpoints.checkpoint_interval
+        if every > 0 and step % every == 0:
+            saved = self.save_checkpoint()
+        self.plugins.hook.on_step_end(step=step, metrics=metrics, trainer=self)
+        return saved
+
+    def _agree_to_stop(self, stops: StopRequests) -> bool:
+        """True on every rank once any rank got SIGTERM/SIGINT (signals reach ranks at different steps)."""
+        if self.engine.world_size == 1:
+            return stops.requested
+        return not self.engine.all_ranks_ok(not stops.requested)
 
     def _metrics(self, out: Any, lr: float, elapsed: float) -> dict[str, Any]:
         tokens_per_sec = self.tokens_per_step / max(elapsed, 1e-9)
@@ -278,16 +362,32 @@ class Trainer:
         value = mfu(self.engine.flops_per_token(self.config.tokens.sequence_length), per_device, self._peak)
         if value is not None:
             metrics["mfu"] = value
+        metrics["peak_memory_mb"] = self.memory.peak_mb()
         return metrics
 
+    def _close_loggers(self) -> None:
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
+            logger.close()
+
     def close(self) -> None:
-        self.engine.shutdown()
+        """Close the loggers and shut the engine down (process groups destroyed, threads joined); idempotent."""
+        self._close_loggers()
+        if not self._closed:
+            self._closed = True
+            self.engine.shutdown()
 
 
 def run_training(loaded: LoadedConfig) -> list[float]:
-    trainer = Trainer(loaded)
+    """Build, train and shut down; the engine is shut down on every way out."""
+    trainer = Trainer(loaded)  # shuts its engine down itself if building fails
     try:
         return trainer.train()
+    except BaseException as exc:
+        # Frames of the failed step hold the model's layers, and through them the process groups:
+        # free them so that shutting down really destroys the groups and joins their threads.
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         trainer.close()
 

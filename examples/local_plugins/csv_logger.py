@@ -8,8 +8,8 @@ NANOCORE_PLUGINS) and name it in the config:
 
 Columns are the standard metric names (`step, lm_loss, lr, grad_norm, tokens_per_sec,
 tokens_per_sec_per_gpu, consumed_tokens, mfu`, and `val_lm_loss`, which only validation rows fill);
-a metric a row does not have is left empty. Like the built-in `jsonl` logger, a resumed run keeps
-the rows up to the step it resumed from and appends after them.
+a metric a row does not have is left empty. Like the built-in `jsonl` logger, a run that continues
+(`LoggerContext.append`: a resume) appends to the file and never truncates it; a fresh run starts it.
 
 This file uses only the public plugin API: `nanocore.hookimpl`, `registry.register(...)` with an
 attrs options class, and `nanocore.logging_api.LoggerContext`.
@@ -18,7 +18,6 @@ attrs options class, and `nanocore.logging_api.LoggerContext`.
 from __future__ import annotations
 
 import csv
-import io
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ METRICS = (
     "tokens_per_sec_per_gpu",
     "consumed_tokens",
     "mfu",
+    "peak_memory_mb",
     "val_lm_loss",
 )
 
@@ -62,21 +62,6 @@ class CsvOptions:
         return problems
 
 
-def _rows_up_to(path: Path, step: int, columns: list[str]) -> str:
-    """The file's header and rows with step <= `step`: what a resumed run keeps (a crash may have left more)."""
-    kept = io.StringIO()
-    writer = csv.DictWriter(kept, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    with path.open(newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            try:
-                if int(row.get("step") or "") <= step:
-                    writer.writerow(row)
-            except ValueError:
-                continue  # a row torn by a crash mid-write
-    return kept.getvalue()
-
-
 class CsvLogger:
     """Writes a header, then one row per `log_metrics` call, flushed so the file is readable mid-run."""
 
@@ -86,14 +71,14 @@ class CsvLogger:
         log_dir = Path(ctx.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / options.filename
-        resuming = ctx.start_step > 0 and self.path.exists()
-        start = _rows_up_to(self.path, ctx.start_step, self.columns) if resuming else None
-        self.file = self.path.open("w", newline="", encoding="utf-8")
+        appending = ctx.append and self.path.exists() and self.path.stat().st_size > 0
+        torn = appending and not self.path.read_bytes().endswith(b"\n")  # a crash mid-row
+        self.file = self.path.open("a" if appending else "w", newline="", encoding="utf-8")
         self.writer = csv.DictWriter(self.file, fieldnames=self.columns, extrasaction="ignore", lineterminator="\n")
-        if start is None:
+        if torn:
+            self.file.write("\n")
+        if not appending:
             self.writer.writeheader()
-        else:
-            self.file.write(start)
         self.file.flush()
 
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -65,6 +66,170 @@ def _strict(kind: type, expected: str):
     return structure
 
 
+def _as_is(value: Any, _: type) -> Any:
+    return value
+
+
+def _attrs_from_mapping(conv: cattrs.Converter, cls: type) -> Any:
+    """Hook factory for attrs classes: cattrs' generated hook fails with AttributeError on a list or a
+    scalar; say what was expected instead."""
+    inner = cattrs.gen.make_dict_structure_fn(cls, conv)
+
+    def structure(value: Any, _: type) -> Any:
+        if not isinstance(value, dict):
+            raise _Leaf(f"expected a mapping, got {_describe(value)}")
+        return inner(value, cls)
+
+    return structure
+
+
+def _is_list(t: Any) -> bool:
+    return get_origin(t) is list
+
+
+def _list_of(conv: cattrs.Converter, value: Any, cls: type) -> list:
+    """cattrs would iterate a string character by character, or fail with a TypeError on null."""
+    if not isinstance(value, list):
+        raise _Leaf(f"expected a list, got {_describe(value)}")
+    (item_type,) = get_args(cls) or (Any,)
+    out, problems = [], []
+    for i, item in enumerate(value):
+        try:
+            out.append(conv.structure(item, item_type))
+        except Exception as exc:
+            exc.__notes__ = [*getattr(exc, "__notes__", []), IterableValidationNote(f"@ index {i}", i, item_type)]
+            problems.append(exc)
+    if problems:
+        raise cattrs.errors.IterableValidationError("While structuring a list", problems, list)
+    return out
+
+
+def _is_dict(t: Any) -> bool:
+    return get_origin(t) is dict
+
+
+def _mapping_of(conv: cattrs.Converter, cls: type) -> Any:
+    inner = conv.gen_structure_mapping(cls)
+
+    def structure(value: Any, _: type) -> dict:
+        if not isinstance(value, dict):
+            raise _Leaf(f"expected a mapping, got {_describe(value)}")
+        return inner(value, cls)
+
+    return structure
+
+
+def _mapping(value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise _Leaf(f"expected {what}, got {_describe(value)}")
+    return dict(value)
+
+
+def _plugin_args(conv: cattrs.Converter, registry: Registry | None, name: str, raw: dict, key: str) -> Any:
+    """A plugin-owned section (the keys beside `key`) structured into the plugin's config class."""
+    if registry is None:
+        return raw or None
+    try:
+        entry = registry.get(name)
+    except ConfigError as exc:
+        raise _Leaf(f"{key}: {exc}") from None
+    if entry.config_class is None:
+        if raw:
+            raise _Leaf(f"{registry.kind} {name!r} takes no options, got {', '.join(map(repr, raw))}")
+        return None
+    return conv.structure(raw, entry.config_class)
+
+
+def _structure_model(conv: cattrs.Converter, registries: Registries | None, value: Any, _: type) -> ModelArgs:
+    """model.model_config: `model_type` (or nanotron's is_llama_config) selects the plugin's class."""
+    raw = _mapping(value, "a mapping with model_config")
+    model_config = raw.get("model_config", {})
+    if not isinstance(model_config, dict):
+        raise _Wrapped("model_config", f"expected a mapping (the model's config), got {_describe(model_config)}")
+    model_config = dict(model_config)
+    model_type = model_config.pop("model_type", None)
+    if model_config.pop("is_llama_config", None) and model_type is None:
+        model_type = "llama"
+    model_type = model_type or "llama"
+    if registries is not None and model_type not in registries.model:
+        raise _Wrapped("model_config.model_type", registries.model.unknown_message(model_type))
+    raw["model_config"] = model_config
+    raw["model_type"] = model_type
+    entry = registries.model.get(model_type) if registries else None
+    return _structure_fields(conv, raw, ModelArgs, {"model_config": entry.config_class if entry else None})
+
+
+def _structure_optimizer_factory(
+    conv: cattrs.Converter, registries: Registries | None, value: Any, _: type
+) -> OptimizerFactory:
+    raw = _mapping(value, "a mapping with name and the optimizer's arguments")
+    name = raw.pop("name", "adam_w")
+    if not isinstance(name, str):
+        raise _Wrapped("name", f"expected a string, got {_describe(name)}")
+    registry = registries.optimizer if registries else None
+    if registry is not None and name not in registry:
+        raise _Wrapped("name", registry.unknown_message(name))
+    canonical = registry.canonical(name) if registry else name
+    return OptimizerFactory(canonical, _plugin_args(conv, registry, canonical, raw, "name"))
+
+
+def _structure_dataset(conv: cattrs.Converter, registries: Registries | None, value: Any, _: type) -> DatasetSpec:
+    raw = _mapping(value, "a mapping with the dataset's arguments")
+    fmt = raw.pop("format", None)
+    if fmt is None:  # nanotron's shapes: infer the format from its keys
+        fmt = "hf" if "hf_dataset_or_datasets" in raw else "nanoset" if "dataset_folder" in raw else "dummy"
+    weight = _structure_at(conv, raw.pop("weight", 1.0), float, "weight")
+    registry = registries.dataset_format if registries else None
+    if registry is not None and fmt not in registry:
+        raise _Wrapped("format", registry.unknown_message(fmt))
+    return DatasetSpec(fmt, _plugin_args(conv, registry, fmt, raw, "format"), weight)
+
+
+def _is_dataset_list(t: Any) -> bool:
+    return t == list[DatasetSpec]
+
+
+def _structure_dataset_list(conv: cattrs.Converter, value: Any, _: type) -> list[DatasetSpec]:
+    """`dataset:` is one dataset, a list (a mixture), or null (random tokens)."""
+    items = [{"format": "dummy"}] if value is None else value if isinstance(value, list) else [value]
+    return _list_of(conv, items, list[DatasetSpec])
+
+
+def _structure_logger(conv: cattrs.Converter, registries: Registries | None, value: Any, _: type) -> LoggerSpec:
+    raw = {"name": value} if isinstance(value, str) else _mapping(value, "a logger name or {name: ..., options}")
+    name = raw.pop("name", None)
+    if not isinstance(name, str):
+        raise _Leaf(f"expected a logger name, got {_describe(name)}")
+    registry = registries.logger if registries else None
+    if registry is not None and name not in registry:
+        raise _Leaf(registry.unknown_message(name))
+    return LoggerSpec(name, _plugin_args(conv, registry, name, raw, "name"))
+
+
+# -- unstructuring: flatten plugin-owned sections back beside their selector key ------------
+def _flat(conv: cattrs.Converter, obj: Any) -> dict:
+    return {} if obj is None else dict(conv.unstructure(obj))
+
+
+def _unstructure_model(conv: cattrs.Converter, base: Any, m: ModelArgs) -> dict:
+    d = base(m)
+    d.pop("model_type")
+    d["model_config"] = {"model_type": m.model_type, **_flat(conv, m.model_config)}
+    return d
+
+
+def _unstructure_optimizer_factory(conv: cattrs.Converter, o: OptimizerFactory) -> dict:
+    return {"name": o.name, **_flat(conv, o.args)}
+
+
+def _unstructure_dataset(conv: cattrs.Converter, d: DatasetSpec) -> dict:
+    return {"format": d.format, **({"weight": d.weight} if d.weight != 1.0 else {}), **_flat(conv, d.args)}
+
+
+def _unstructure_logger(conv: cattrs.Converter, s: LoggerSpec) -> dict | str:
+    return {"name": s.name, **_flat(conv, s.options)} if s.options else s.name
+
+
 def make_converter(registries: Registries | None) -> cattrs.Converter:
     """The converter. With `registries`, plugin-owned sections are structured into the plugins' classes."""
     conv = cattrs.Converter(forbid_extra_keys=True)
@@ -72,153 +237,20 @@ def make_converter(registries: Registries | None) -> cattrs.Converter:
     conv.register_structure_hook(float, _strict(float, "a number"))
     conv.register_structure_hook(bool, _strict(bool, "true or false"))
     conv.register_structure_hook(str, _strict(str, "a string"))
-    conv.register_structure_hook(Any, lambda v, _: v)
-
-    def attrs_from_mapping(cls: type) -> Any:
-        # cattrs' generated hook fails with AttributeError on a list or scalar; say what was expected.
-        inner = cattrs.gen.make_dict_structure_fn(cls, conv)
-
-        def structure(value: Any, _: type) -> Any:
-            if not isinstance(value, dict):
-                raise _Leaf(f"expected a mapping, got {_describe(value)}")
-            return inner(value, cls)
-
-        return structure
-
-    conv.register_structure_hook_factory(attrs.has, attrs_from_mapping)
-
-    def list_of(value: Any, cls: type) -> list:
-        # cattrs would iterate a string character by character, or fail with a TypeError on null.
-        if not isinstance(value, list):
-            raise _Leaf(f"expected a list, got {_describe(value)}")
-        (item_type,) = get_args(cls) or (Any,)
-        out, problems = [], []
-        for i, item in enumerate(value):
-            try:
-                out.append(conv.structure(item, item_type))
-            except Exception as exc:
-                exc.__notes__ = [*getattr(exc, "__notes__", []), IterableValidationNote(f"@ index {i}", i, item_type)]
-                problems.append(exc)
-        if problems:
-            raise cattrs.errors.IterableValidationError("While structuring a list", problems, list)
-        return out
-
-    conv.register_structure_hook_func(lambda t: get_origin(t) is list, list_of)
-
-    def mapping_of(cls: type) -> Any:
-        inner = conv.gen_structure_mapping(cls)
-
-        def structure(value: Any, _: type) -> dict:
-            if not isinstance(value, dict):
-                raise _Leaf(f"expected a mapping, got {_describe(value)}")
-            return inner(value, cls)
-
-        return structure
-
-    conv.register_structure_hook_factory(lambda t: get_origin(t) is dict, mapping_of)
-
-    def plugin_args(registry: Registry | None, name: str, raw: dict, key: str) -> Any:
-        if registry is None:
-            return raw or None
-        try:
-            entry = registry.get(name)
-        except ConfigError as exc:
-            raise _Leaf(f"{key}: {exc}") from None
-        if entry.config_class is None:
-            if raw:
-                raise _Leaf(f"{registry.kind} {name!r} takes no options, got {', '.join(map(repr, raw))}")
-            return None
-        return conv.structure(raw, entry.config_class)
-
-    def mapping(value: Any, what: str) -> dict:
-        if not isinstance(value, dict):
-            raise _Leaf(f"expected {what}, got {_describe(value)}")
-        return dict(value)
-
-    # model.model_config: `model_type` (or nanotron's is_llama_config) selects the plugin's class.
-
-    def structure_model(value: Any, _: type) -> ModelArgs:
-        raw = mapping(value, "a mapping with model_config")
-        model_config = raw.get("model_config", {})
-        if not isinstance(model_config, dict):
-            raise _Wrapped("model_config", f"expected a mapping (the model's config), got {_describe(model_config)}")
-        model_config = dict(model_config)
-        model_type = model_config.pop("model_type", None)
-        if model_config.pop("is_llama_config", None) and model_type is None:
-            model_type = "llama"
-        model_type = model_type or "llama"
-        if registries is not None and model_type not in registries.model:
-            raise _Wrapped("model_config.model_type", registries.model.unknown_message(model_type))
-        raw["model_config"] = model_config
-        raw["model_type"] = model_type
-        entry = registries.model.get(model_type) if registries else None
-        return _structure_fields(conv, raw, ModelArgs, {"model_config": entry.config_class if entry else None})
-
-    conv.register_structure_hook(ModelArgs, structure_model)
-
-    def structure_optimizer_factory(value: Any, _: type) -> OptimizerFactory:
-        raw = mapping(value, "a mapping with name and the optimizer's arguments")
-        name = raw.pop("name", "adam_w")
-        if not isinstance(name, str):
-            raise _Wrapped("name", f"expected a string, got {_describe(name)}")
-        registry = registries.optimizer if registries else None
-        if registry is not None and name not in registry:
-            raise _Wrapped("name", registry.unknown_message(name))
-        canonical = registry.canonical(name) if registry else name
-        return OptimizerFactory(canonical, plugin_args(registry, canonical, raw, "name"))
-
-    conv.register_structure_hook(OptimizerFactory, structure_optimizer_factory)
-
-    def structure_dataset(value: Any, _: type) -> DatasetSpec:
-        raw = mapping(value, "a mapping with the dataset's arguments")
-        fmt = raw.pop("format", None)
-        if fmt is None:  # nanotron's shapes: infer the format from its keys
-            fmt = "hf" if "hf_dataset_or_datasets" in raw else "nanoset" if "dataset_folder" in raw else "dummy"
-        weight = raw.pop("weight", 1.0)
-        weight = _structure_at(conv, weight, float, "weight")
-        registry = registries.dataset_format if registries else None
-        if registry is not None and fmt not in registry:
-            raise _Wrapped("format", registry.unknown_message(fmt))
-        return DatasetSpec(fmt, plugin_args(registry, fmt, raw, "format"), weight)
-
-    conv.register_structure_hook(DatasetSpec, structure_dataset)
-
-    def structure_dataset_list(value: Any, _: type) -> list[DatasetSpec]:
-        items = [{"format": "dummy"}] if value is None else value if isinstance(value, list) else [value]
-        return list_of(items, list[DatasetSpec])
-
-    conv.register_structure_hook_func(lambda t: t == list[DatasetSpec], structure_dataset_list)
-
-    def structure_logger(value: Any, _: type) -> LoggerSpec:
-        raw = {"name": value} if isinstance(value, str) else mapping(value, "a logger name or {name: ..., options}")
-        name = raw.pop("name", None)
-        if not isinstance(name, str):
-            raise _Leaf(f"expected a logger name, got {_describe(name)}")
-        registry = registries.logger if registries else None
-        if registry is not None and name not in registry:
-            raise _Leaf(registry.unknown_message(name))
-        return LoggerSpec(name, plugin_args(registry, name, raw, "name"))
-
-    conv.register_structure_hook(LoggerSpec, structure_logger)
-
-    # -- unstructuring: flatten plugin-owned sections back beside their selector key --------
-    def flat(obj: Any) -> dict:
-        return {} if obj is None else dict(conv.unstructure(obj))
-
+    conv.register_structure_hook(Any, _as_is)
+    conv.register_structure_hook_factory(attrs.has, partial(_attrs_from_mapping, conv))
+    conv.register_structure_hook_func(_is_list, partial(_list_of, conv))
+    conv.register_structure_hook_factory(_is_dict, partial(_mapping_of, conv))
+    conv.register_structure_hook(ModelArgs, partial(_structure_model, conv, registries))
+    conv.register_structure_hook(OptimizerFactory, partial(_structure_optimizer_factory, conv, registries))
+    conv.register_structure_hook(DatasetSpec, partial(_structure_dataset, conv, registries))
+    conv.register_structure_hook_func(_is_dataset_list, partial(_structure_dataset_list, conv))
+    conv.register_structure_hook(LoggerSpec, partial(_structure_logger, conv, registries))
     base_model = cattrs.gen.make_dict_unstructure_fn(ModelArgs, conv)
-
-    def unstructure_model(m: ModelArgs) -> dict:
-        d = base_model(m)
-        d.pop("model_type")
-        d["model_config"] = {"model_type": m.model_type, **flat(m.model_config)}
-        return d
-
-    conv.register_unstructure_hook(ModelArgs, unstructure_model)
-    conv.register_unstructure_hook(OptimizerFactory, lambda o: {"name": o.name, **flat(o.args)})
-    conv.register_unstructure_hook(
-        DatasetSpec, lambda d: {"format": d.format, **({"weight": d.weight} if d.weight != 1.0 else {}), **flat(d.args)}
-    )
-    conv.register_unstructure_hook(LoggerSpec, lambda s: {"name": s.name, **flat(s.options)} if s.options else s.name)
+    conv.register_unstructure_hook(ModelArgs, partial(_unstructure_model, conv, base_model))
+    conv.register_unstructure_hook(OptimizerFactory, partial(_unstructure_optimizer_factory, conv))
+    conv.register_unstructure_hook(DatasetSpec, partial(_unstructure_dataset, conv))
+    conv.register_unstructure_hook(LoggerSpec, partial(_unstructure_logger, conv))
     return conv
 
 

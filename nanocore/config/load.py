@@ -9,6 +9,7 @@ import attrs
 
 from nanocore.config.checks import check_config
 from nanocore.config.converter import read_yaml, structure_config
+from nanocore.config.overrides import apply_overrides
 from nanocore.config.schema import Config
 from nanocore.errors import ConfigError
 from nanocore.plugins import PluginSet, load_plugins
@@ -19,6 +20,7 @@ class LoadedConfig:
     config: Config
     plugins: PluginSet
     path: Path | None
+    overrides: list[str] = attrs.field(factory=list)  # command-line key.path=value, as given
 
 
 def yaml_plugin_list(raw: object, path: Path) -> list[str]:
@@ -39,14 +41,15 @@ def load_config(
     cli_plugins: list[str] | tuple[str, ...] = (),
     *,
     world_size: int | None = -1,
+    overrides: list[str] | tuple[str, ...] = (),
 ) -> LoadedConfig:
-    """Read `path`, load every plugin it needs, structure and check it.
+    """Read `path`, apply command-line `overrides`, load every plugin it needs, structure and check it.
 
     `world_size=-1` (default) takes it from the launcher's WORLD_SIZE; `None` skips that check.
     """
     path = Path(path)
-    raw = read_yaml(path)
+    raw = apply_overrides(read_yaml(path), overrides)
     plugins = load_plugins(cli_plugins, yaml_plugin_list(raw, path), path.resolve().parent)
     config = structure_config(raw, plugins.registries)
     check_config(config, plugins.registries, launch_world_size() if world_size == -1 else world_size)
-    return LoadedConfig(config, plugins, path)
+    return LoadedConfig(config, plugins, path, list(overrides))

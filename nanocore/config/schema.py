@@ -35,9 +35,21 @@ class CheckpointsArgs:
     save_initial_state: bool = doc("Save step 0 before training.", default=False)
     save_final_state: bool = doc("Save after the last step.", default=True)
     resume_checkpoint_path: str | None = doc(
-        "A checkpoints folder with latest.txt, or one step folder, to resume from.", default=None
+        "A checkpoints folder with latest.txt, or one step folder, to resume from; `latest` resumes from this run's "
+        "own checkpoints_path when it holds a checkpoint and starts fresh when it is empty (rerun the same command "
+        "after a preemption).",
+        default=None,
     )
     load_optimizer: bool = doc("Restore optimizer state on resume.", default=True)
+    overwrite: bool = doc(
+        "A fresh run (no resume path) may replace the checkpoints in checkpoints_path and the logs in "
+        "logging.log_dir of an earlier run; false (the default) refuses to start instead.",
+        default=False,
+    )
+    keep_last_n: int | None = doc(
+        "Keep only the newest N step folders (older ones are removed after a newer one is complete); null keeps all.",
+        default=None,
+    )
     load_lr_scheduler: bool = doc(
         "Restore the LR scheduler on resume (false: a fresh warmup and decay start at the resumed step).", default=True
     )
@@ -56,6 +68,11 @@ class ParallelismArgs:
     tp_linear_async_communication: bool = doc("Overlap TP communication with the matmul.", default=False)
     expert_parallel_size: int = doc("Expert-parallel ranks (needs a plugin that provides experts).", default=1)
     recompute_layer: bool = doc("Activation checkpointing per decoder layer.", default=False)
+    collective_timeout_seconds: float = doc(
+        "A collective (all-reduce, send/recv, barrier) that waits longer than this ends the job with an error "
+        "instead of hanging: a stalled or dead rank.",
+        default=600.0,
+    )
     engine: str = doc("Parallel engine plugin that runs the model.", default="3d")
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
-from nanocore.config.schema import DatasetSpec, TokenizerArgs
+from nanocore.config.schema import Config, DatasetSpec, TokenizerArgs
 from nanocore.data.api import DatasetContext, Tokenizer
 from nanocore.data.mixture import Mixture
 from nanocore.errors import ConfigError, DataError
@@ -46,3 +47,32 @@ def build_mixture(specs: list[DatasetSpec], ctx: DatasetContext, registries: Reg
         inner = sum(w for _, w in produced)
         parts += [(ds, spec.weight / total * w / inner) for ds, w in produced]
     return Mixture(parts, seed)
+
+
+def stage_mixture(
+    config: Config,
+    index: int,
+    key: str,
+    tokenizer: Tokenizer | None,
+    vocab_size: int,
+    registries: Registries,
+    *,
+    is_main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+    config_dir: Path | None = None,
+) -> Mixture:
+    """The mixture of data stage `index`'s `key` ("dataset" or "validation_dataset"), as training reads it."""
+    stage = config.data_stages[index]
+    seed = stage.data.seed if stage.data.seed is not None else config.general.seed
+    ctx = DatasetContext(
+        tokenizer=tokenizer,
+        sequence_length=config.tokens.sequence_length,
+        vocab_size=vocab_size,
+        seed=seed,
+        cache_dir=cache_dir(),
+        is_main_process=is_main,
+        barrier=barrier,
+        config_dir=config_dir,
+        split="train" if key == "dataset" else "validation",
+    )
+    return build_mixture(getattr(stage.data, key), ctx, registries, seed)

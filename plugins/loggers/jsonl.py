@@ -13,36 +13,19 @@ from nanocore_plugins.loggers.format import plain
 FILENAME = "metrics.jsonl"
 
 
-def drop_rows_after(path: Path, step: int) -> None:
-    """Remove rows logged after `step` (by a launch that crashed after its last checkpoint), and torn lines.
-
-    A resumed run logs those steps again; without this the file would hold two rows per step.
-    """
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a row torn by a crash mid-write
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            kept.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
-
-
 class JsonlLogger:
     """Appends `{"step": step, **metrics}` to metrics.jsonl and flushes, so the file is readable mid-run.
 
-    A fresh run replaces an old file; a resumed run keeps the rows up to its resume step."""
+    A run that continues (a resume) appends to the file: nothing an earlier launch logged is lost,
+    and a step logged by a launch that crashed after its last checkpoint appears again after the
+    resume (the later row is the one that continued). A fresh run starts the file (its log_dir was
+    empty, or `checkpoints.overwrite: true` asked to replace the old run's logs)."""
 
     def __init__(self, options: None, ctx: LoggerContext):
         log_dir = Path(ctx.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / FILENAME
-        if ctx.start_step > 0 and self.path.exists():
-            drop_rows_after(self.path, ctx.start_step)
-        elif self.path.exists():  # a fresh run (step 0) starts a fresh file instead of mixing two runs
+        if not ctx.append and self.path.exists():
             self.path.unlink()
         self._needs_newline = self.path.exists() and self.path.stat().st_size > 0 and not _ends_with_newline(self.path)
         self.file = self.path.open("a", encoding="utf-8")

@@ -48,6 +48,9 @@ class WandbLogger:
             dir=str(log_dir),
             mode=options.mode,
             tags=list(options.tags) or None,
+            # one W&B run per nanocore run: a resumed launch continues it (the id is kept in checkpoints)
+            id=ctx.run_id,
+            resume="allow" if ctx.run_id else None,
         )
 
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:

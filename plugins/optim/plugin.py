@@ -15,8 +15,15 @@ def register_optimizers(registry):
         config_class=AdamWArgs,
         aliases=("adamW", "adamw"),
         description="torch AdamW (decoupled weight decay), fused where supported",
+        states_per_element=lambda args: 2,  # exp_avg, exp_avg_sq
     )
-    registry.register("sgd", build_sgd, config_class=SGDArgs, description="torch SGD with optional momentum")
+    registry.register(
+        "sgd",
+        build_sgd,
+        config_class=SGDArgs,
+        description="torch SGD with optional momentum",
+        states_per_element=lambda args: 1 if args is not None and args.momentum else 0,  # momentum buffer
+    )
 
 
 @hookimpl

@@ -38,6 +38,7 @@ COLUMNS = [
     "tokens_per_sec_per_gpu",
     "consumed_tokens",
     "mfu",
+    "peak_memory_mb",
     "val_lm_loss",
 ]
 
@@ -178,29 +179,39 @@ def load_module(path: Path):
     return module
 
 
-def test_resumed_csv_log_keeps_the_rows_up_to_the_resume_step(tmp_path):
+def test_resumed_csv_log_appends_and_never_truncates(tmp_path):
     from nanocore.logging_api import LoggerContext
 
     m = load_module(CSV_LOGGER)
 
-    def context(start_step: int) -> LoggerContext:
-        return LoggerContext(tmp_path, "p", "r", None, {}, start_step=start_step, total_steps=6)
+    def context(start_step: int, append: bool) -> LoggerContext:
+        return LoggerContext(tmp_path, "p", "r", None, {}, start_step=start_step, total_steps=6, append=append)
 
-    logger = m.CsvLogger(m.CsvOptions(), context(0))
+    logger = m.CsvLogger(m.CsvOptions(), context(0, False))
     for step in range(1, 5):  # a run that crashed after step 4, with its last checkpoint at step 2
         logger.log_metrics(step, {"step": step, "lm_loss": 5.0 - step, "lr": 0.1})
     logger.log_metrics(4, {"step": 4, "val_lm_loss": 3.5})
     logger.close()
-    logger = m.CsvLogger(m.CsvOptions(), context(2))
+    with (tmp_path / "metrics.csv").open("a") as f:
+        f.write("5,0.5")  # torn by the crash
+    logger = m.CsvLogger(m.CsvOptions(), context(2, True))
     logger.log_metrics(3, {"step": 3, "lm_loss": 1.5, "lr": 0.1, "custom_metric": 7})
     logger.close()
     rows = list(csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines()))
     assert [(r["step"], r["lm_loss"], r["val_lm_loss"]) for r in rows] == [
         ("1", "4.0", ""),
         ("2", "3.0", ""),
+        ("3", "2.0", ""),
+        ("4", "1.0", ""),
+        ("4", "", "3.5"),
+        ("5", "0.5", None),  # the torn row stays as it was, and the next row starts on a line of its own
         ("3", "1.5", ""),
     ]
     assert list(rows[0]) == COLUMNS
+    # A fresh run (its log_dir was checked empty, or overwrite was asked for) starts the file.
+    logger = m.CsvLogger(m.CsvOptions(), context(0, False))
+    logger.close()
+    assert (tmp_path / "metrics.csv").read_text().splitlines() == [",".join(COLUMNS)]
 
 
 def test_jsonl_documents_reports_bad_lines_with_file_and_line(tmp_path):

@@ -35,15 +35,14 @@ def test_bfloat16_parameters_keep_float32_gradients_and_master_weights(tmp_path)
     masters = [slot.master for slot in trainer.engine.optimizer.slots]
     assert {m.dtype for m in masters} == {torch.float32}
     before = [m.detach().clone() for m in masters]
+    slots = trainer.engine.optimizer.slots  # shutting down drops the engine's optimizer
     losses = trainer.train()
     trainer.close()
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     # the bf16 parameters are the rounded fp32 masters, which moved
-    for slot in trainer.engine.optimizer.slots:
+    for slot in slots:
         assert torch.equal(slot.param_view, slot.master.detach().to(torch.bfloat16))
-    assert any(
-        not torch.equal(old, slot.master) for slot, old in zip(trainer.engine.optimizer.slots, before, strict=True)
-    )
+    assert any(not torch.equal(old, slot.master) for slot, old in zip(slots, before, strict=True))
 
 
 def test_bfloat16_without_fp32_accumulation_uses_bfloat16_gradients(tmp_path):

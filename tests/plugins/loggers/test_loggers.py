@@ -20,9 +20,12 @@ def registries():
     return load_plugins().registries
 
 
-def context(log_dir: Path, *, start_step: int = 0, total_steps: int = 4) -> LoggerContext:
+def context(log_dir: Path, *, start_step: int = 0, total_steps: int = 4, run_id: str | None = None) -> LoggerContext:
+    """A fresh run's context; a resumed one (start_step > 0) continues the run and appends."""
     config = {"general": {"project": "proj", "run": "tiny"}, "tokens": {"train_steps": total_steps}}
-    return LoggerContext(log_dir, "proj", "tiny", None, config, start_step, total_steps)
+    return LoggerContext(
+        log_dir, "proj", "tiny", None, config, start_step, total_steps, append=start_step > 0, run_id=run_id
+    )
 
 
 def train_row(step: int) -> dict:
@@ -81,14 +84,16 @@ def test_jsonl_writes_one_object_per_row(registries, tmp_path):
                              "consumed_tokens", "mfu"]  # fmt: skip
 
 
-def test_jsonl_resume_appends_without_duplicate_steps(registries, tmp_path):
+def test_jsonl_resume_appends_and_keeps_every_earlier_row(registries, tmp_path):
     run(make(registries, "jsonl", context(tmp_path)), [1, 2, 3], val_at=2)
     # A crash tore the last line; the resumed launch restarts from the checkpoint at step 2.
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 4, "lm_lo')
     run(make(registries, "jsonl", context(tmp_path, start_step=2)), [3, 4])
-    rows = read_jsonl(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 2, 3, 4]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[4] == '{"step": 4, "lm_lo', "the torn row stays; nothing an earlier launch wrote is removed"
+    rows = [json.loads(line) for i, line in enumerate(lines) if i != 4]
+    assert [r["step"] for r in rows] == [1, 2, 2, 3, 3, 4]  # the crashed launch's step 3, then the resumed one
     assert rows[2] == {"step": 2, "val_lm_loss": 2.75}
 
 
@@ -175,6 +180,22 @@ def test_wandb_offline_run_holds_config_and_history(registries, tmp_path, monkey
     assert [(h["step"], h["lm_loss"]) for h in history] == [(1, 2.75), (2, 2.5), (3, 2.25)]
     assert history[1]["val_lm_loss"] == 2.75  # same step: merged into that step's row
     assert "mfu" not in history[0] and history[1]["mfu"] == 0.25
+
+
+def test_wandb_resumed_launch_continues_the_same_run(registries, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    run(make(registries, "wandb", context(tmp_path / "logs", run_id="nc1234abcd")), [1, 2])
+    run(make(registries, "wandb", context(tmp_path / "logs", start_step=2, run_id="nc1234abcd")), [3, 4])
+    run_files = sorted((tmp_path / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 2, run_files  # one offline file per launch, ...
+    ids = set()
+    for file in run_files:
+        runs = [r.run for r in read_wandb_records(file) if r.WhichOneof("record_type") == "run"]
+        ids |= {r.run_id for r in runs}
+    assert ids == {"nc1234abcd"}, "...both of the one W&B run the checkpoint names (wandb sync joins them)"
 
 
 # -- console ----------------------------------------------------------------------------------

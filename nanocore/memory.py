@@ -1,0 +1,65 @@
+"""Peak memory of this process per logging interval: `peak_memory_mb` in every metrics row.
+
+On CUDA it is torch's peak of allocated tensor memory since the last reset. On CPU it is the peak
+resident set size (Linux `VmHWM`, reset through `/proc/self/clear_refs`) above the resident size
+measured when the meter was made (after start-up: Python, torch and the plugins are loaded, nothing
+of the run is built yet), so it counts what the run itself holds: weights, gradients, optimizer
+state, activations, data. Where the peak cannot be reset (not Linux), it is the peak since start.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _max_rss_kb() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak // 1024 if sys.platform == "darwin" else peak  # macOS reports bytes
+
+
+class MemoryMeter:
+    """`reset()` starts an interval; `peak_mb()` is the peak since then (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.baseline_kb = 0 if self.cuda else (_status_kb("VmRSS") or _max_rss_kb())
+        self.resettable = self.cuda or self._clear_peak()
+
+    def _clear_peak(self) -> bool:
+        try:
+            _CLEAR_REFS.write_text("5")  # Linux >= 4.0: reset VmHWM to the current RSS
+            return _status_kb("VmHWM") is not None
+        except OSError:
+            return False
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.resettable:
+            self._clear_peak()
+
+    def peak_mb(self) -> float:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        peak = _status_kb("VmHWM") if self.resettable else None
+        if peak is None:
+            peak = _max_rss_kb()
+        return max(peak - self.baseline_kb, 0) / 1024

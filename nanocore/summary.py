@@ -1,0 +1,157 @@
+"""The start-of-run summary rank 0 prints: what runs, where, on what, and how big it is.
+
+    nanocore 0.1.0 | run 'tiny_llama' (id 3f2a...) | fresh start
+    plugins: llama, parallel3d, ... (nanocore 0.1.0); stdlib_corpus (local examples/local_plugins/stdlib_corpus.py)
+    layout: 8 processes = dp 2 x tp 2 x pp 2 | pp_engine 1f1b, 1 virtual stage(s) | tp_mode REDUCE_SCATTER | ZeRO 1 | cpu, float32
+    model: llama, 1.06M parameters; per rank 0.19M-0.34M
+    ...
+
+Every rank calls `run_summary` (it gathers each rank's sizes); only rank 0 prints the result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import nanocore
+
+if TYPE_CHECKING:
+    from nanocore.trainer import Trainer
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def plugins_in_use(trainer: Trainer) -> list[str]:
+    """The plugins that provide what this config selects, plus those that observe the run, with versions."""
+    cfg, reg = trainer.config, trainer.registries
+    par = cfg.parallelism
+    used = [
+        reg.parallel_engine.get(par.engine),
+        reg.pp_engine.get(par.pp_engine),
+        reg.model.get(cfg.model.model_type),
+        reg.optimizer.get(cfg.optimizer.optimizer_factory.name),
+        reg.zero_stage.get(str(cfg.optimizer.zero_stage)),
+        reg.lr_decay.get(cfg.optimizer.learning_rate_scheduler.lr_decay_style),
+    ]
+    if par.tp > 1:
+        used.append(reg.tp_mode.get(par.tp_mode))
+    tok = cfg.tokenizer
+    if tok.tokenizer_name_or_path is not None:
+        kind = tok.tokenizer_type or (
+            tok.tokenizer_name_or_path if tok.tokenizer_name_or_path in reg.tokenizer else "hf"
+        )
+        used.append(reg.tokenizer.get(kind))
+    for stage in cfg.data_stages:
+        for spec in [*stage.data.dataset, *(stage.data.validation_dataset or [])]:
+            used.append(reg.dataset_format.get(spec.format))
+    used += [reg.logger.get(spec.name) for spec in cfg.logging.loggers]
+    names = list(dict.fromkeys(entry.plugin for entry in used))
+    observers = {"on_train_start", "on_step_end", "on_validation_end", "on_checkpoint_saved", "on_train_end"}
+    names += [i.name for i in trainer.plugins.list() if i.name not in names and observers & set(i.hooks)]
+    infos = {i.name: i for i in trainer.plugins.list()}
+    by_origin: dict[str, list[str]] = {}
+    for name in names:
+        info = infos.get(name)
+        if info is None:
+            origin = "registered in-process"
+        elif info.distribution:
+            origin = f"{info.distribution} {info.version}"
+        else:
+            origin = f"local {info.location}"
+        by_origin.setdefault(origin, []).append(name)
+    return [f"{', '.join(ns)} ({origin})" for origin, ns in by_origin.items()]
+
+
+def _stage_lines(trainer: Trainer) -> list[str]:
+    cfg = trainer.config
+    stages, total = cfg.data_stages, cfg.tokens.train_steps
+    current = trainer.data.stage_index(min(trainer.step + 1, total))
+    lines = []
+    for i, stage in enumerate(stages):
+        first = stage.start_training_step
+        last = stages[i + 1].start_training_step - 1 if i + 1 < len(stages) else total
+        if first > total:
+            lines.append(f"stage {stage.name!r}: starts at step {first}, after the last step (never used)")
+            continue
+        steps = last - first + 1
+        formats = ", ".join(spec.format for spec in stage.data.dataset)
+        line = f"stage {stage.name!r}: steps {first}-{last} ({_count(steps * trainer.tokens_per_step)} tokens) from {formats}"
+        if i == current:
+            mixture = trainer.data.mixture(i)
+            samples = sum(source.size for source in mixture.sources)
+            epochs = steps * cfg.global_batch_size / samples
+            line += f"; {samples:,} samples of {cfg.tokens.sequence_length} tokens ({epochs:.2g} epochs)"
+        lines.append(line)
+    return lines
+
+
+def _memory_line(estimates: list[dict[str, Any]]) -> str:
+    def total(e: dict[str, Any]) -> int:
+        return e["params_bytes"] + e["grads_bytes"] + (e["optimizer_bytes"] or 0)
+
+    largest = max(range(len(estimates)), key=lambda r: total(estimates[r]))
+    e = estimates[largest]
+    optimizer = (
+        _bytes(e["optimizer_bytes"])
+        if e["optimizer_bytes"] is not None
+        else "unknown (optimizer plugin gives no estimate)"
+    )
+    where = f"rank {largest}, the largest" if len(estimates) > 1 else "one process"
+    return (
+        f"memory per rank (estimate, {where}): parameters {_bytes(e['params_bytes'])}, gradients "
+        f"{_bytes(e['grads_bytes'])}, optimizer state {optimizer}; {_bytes(total(e))} before activations"
+    )
+
+
+def run_summary(trainer: Trainer) -> str:
+    """The summary text (call on every rank: it gathers each rank's sizes)."""
+    cfg, engine = trainer.config, trainer.engine
+    par, tokens = cfg.parallelism, cfg.tokens
+    estimates = engine.all_gather_object(engine.memory_estimate())
+    stage_lines = _stage_lines(trainer)
+    folders = trainer.folders
+    if folders.resume_from is not None:
+        start = f"resumed from {folders.resume_from} at step {trainer.step}"
+    elif folders.overwrite:
+        start = "fresh start (checkpoints.overwrite: replacing an earlier run's checkpoints and logs)"
+    else:
+        start = "fresh start"
+    per_rank = [e["parameters"] for e in estimates]
+    total_params = sum(e["written_parameters"] for e in estimates)
+    spread = (
+        _count(per_rank[0]) if min(per_rank) == max(per_rank) else f"{_count(min(per_rank))}-{_count(max(per_rank))}"
+    )
+    ck = cfg.checkpoints
+    every = f"every {ck.checkpoint_interval} steps" if ck.checkpoint_interval > 0 else "no interval"
+    keep = f"keep last {ck.keep_last_n}" if ck.keep_last_n else "keep all"
+    loggers = ", ".join(spec.name for spec in cfg.logging.loggers) or "none"
+    lines = [
+        f"nanocore {nanocore.__version__} | run {trainer.run_name!r} (id {trainer.run_id}) | {start}",
+        *([f"overrides: {', '.join(trainer.overrides)}"] if trainer.overrides else []),
+        "plugins: " + "; ".join(plugins_in_use(trainer)),
+        f"layout: {engine.world_size} process(es) = dp {par.dp} x tp {par.tp} x pp {par.pp} | pp_engine {par.pp_engine}, "
+        f"{par.pp_virtual_stages} virtual stage(s) | tp_mode {par.tp_mode if par.tp > 1 else '-'} | ZeRO "
+        f"{cfg.optimizer.zero_stage} | {engine.device.type}, {str(engine.dtype).removeprefix('torch.')}",
+        f"model: {cfg.model.model_type}, {_count(total_params)} parameters; per rank {spread}",
+        f"tokens: {tokens.sequence_length * cfg.global_batch_size:,} per step (global batch {cfg.global_batch_size} = "
+        f"dp {par.dp} x micro-batch {tokens.micro_batch_size} x accumulation {tokens.batch_accumulation_per_replica}, "
+        f"sequence {tokens.sequence_length}); {tokens.train_steps} steps = {_count(trainer.tokens_per_step * tokens.train_steps)} tokens",
+        *[f"data {line}" for line in stage_lines],
+        _memory_line(estimates),
+        f"checkpoints: {Path(ck.checkpoints_path).resolve()} ({every}, {keep}) | logs: "
+        f"{Path(cfg.logging.log_dir).resolve()} ({loggers})",
+    ]
+    return "start of run\n  " + "\n  ".join(lines)

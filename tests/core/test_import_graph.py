@@ -1,0 +1,78 @@
+"""The core's modules import each other without cycles (top-level and deferred imports alike), and
+the core never imports a built-in plugin: it stays readable from the bottom up (docs/code_map.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+CORE = Path(__file__).resolve().parents[2] / "nanocore"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(CORE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_nodes(tree: ast.AST):
+    """Every node, except those under `if TYPE_CHECKING:` (annotations only, never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def imports() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in CORE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            found |= {t for t in targets if t in modules and t != name}
+        graph[name] = found
+    return graph
+
+
+def test_no_import_cycles_in_the_core():
+    graph = imports()
+    # a package's __init__ re-exporting its modules is not a cycle of meaning; skip those edges
+    edges = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in graph.items()}
+    cycles = []
+
+    def visit(node: str, stack: list[str], done: set[str]) -> None:
+        if node in stack:
+            cycles.append(stack[stack.index(node) :] + [node])
+            return
+        if node in done:
+            return
+        for target in sorted(edges[node]):
+            visit(target, [*stack, node], done)
+        done.add(node)
+
+    done: set[str] = set()
+    for module in sorted(edges):
+        visit(module, [], done)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_core_never_imports_a_builtin_plugin():
+    for path in CORE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert not any(n.startswith("nanocore_plugins") for n in names), f"{path} imports {names}"

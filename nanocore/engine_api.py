@@ -69,11 +69,8 @@ class Engine(Protocol):
 
     def barrier(self) -> None: ...
 
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank (checkpoint verification verdicts)."""
-
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's `obj` in rank order, on every rank."""
+        """Every rank's `obj` in rank order, on every rank (sizes for the summary, verification verdicts)."""
 
     def all_ranks_ok(self, ok: bool) -> bool:
         """True on every rank iff `ok` is True on every rank (coordinated stops and errors)."""

@@ -166,23 +166,18 @@ class Trainer:
             init = self.config.model.init_method.path
             if init:  # a nanocore checkpoint or a Hugging Face folder
                 if not is_hf_folder(init):
-                    engine = self.engine
-                    verify_for_resume(resolve_checkpoint(init), is_main=engine.is_main,
-                                      broadcast=engine.broadcast_object, load_optimizer=False)  # fmt: skip
+                    self._verify(resolve_checkpoint(init), load_optimizer=False)
                 self.engine.load_model(init_reader(init, self.config.model, self.registries))
                 log.info("initialised weights from %s", init)
             return
-        engine = self.engine  # rank 0 checks sizes, checksums and coverage; every rank gets the verdict
-        verify_for_resume(
-            folder, is_main=engine.is_main, broadcast=engine.broadcast_object, load_optimizer=cfg.load_optimizer
-        )
+        self._verify(folder, load_optimizer=cfg.load_optimizer)
         meta = read_json(folder / "meta.json")
         if self.folders.continues and meta.get("run_id"):
             self.run_id = str(meta["run_id"])  # the same run goes on: loggers such as W&B continue it
         self.engine.load_model(ShardReader(folder / "model"))
         if cfg.load_optimizer:
             self.engine.load_optimizer(ShardReader(folder / "optimizer"))
-        elif engine.is_main:
+        elif self.engine.is_main:
             log.info("optimizer state not loaded (checkpoints.load_optimizer: false): it starts afresh")
         if cfg.load_lr_scheduler:
             self.lr_schedule.load_state_dict(meta["lr_scheduler"])
@@ -194,6 +189,17 @@ class Trainer:
             log.info("RNG states not restored (checkpoint written by %d ranks)", meta["topology"]["world_size"])
         if self.engine.is_main:
             log.info("resumed from %s at step %d", folder, self.step)
+
+    def _verify(self, folder: Path, load_optimizer: bool) -> None:
+        """Every rank checks its share of the checkpoint's checksums; all stop with one message on damage."""
+        engine = self.engine
+        verify_for_resume(
+            folder,
+            rank=engine.rank,
+            world_size=engine.world_size,
+            gather=engine.all_gather_object,
+            load_optimizer=load_optimizer,
+        )
 
     def save_checkpoint(self) -> Path:
         engine, cfg = self.engine, self.config

@@ -1,8 +1,9 @@
 """Checking a checkpoint before it is used: every file its manifest lists is there with the same size
 and checksum, meta.json and config.yaml parse, and every tensor is fully covered by its pieces.
 
-On resume rank 0 checks and every rank gets the verdict; `nanocore checkpoint verify` runs the
-same checks without training. A problem is one CheckpointError that names the file, what is
+On resume every rank checks, the checksums shared out (rank r hashes every world_size-th file, so
+a large checkpoint is read once, in parallel, well within the collective timeout), and every rank
+raises the lowest rank's verdict; `nanocore checkpoint verify` runs the same checks without training. A problem is one CheckpointError that names the file, what is
 wrong with it and the way on (the previous complete checkpoint in the same folder, if any).
 Checkpoints written before manifests existed are parsed but cannot be checked byte for byte.
 """
@@ -51,14 +52,16 @@ class Report:
     checked: list[str]  # one line per kind of file
 
 
-def verify_checkpoint(folder: Path, *, optimizer: bool = True) -> Report:
+def verify_checkpoint(folder: Path, *, optimizer: bool = True, share: tuple[int, int] = (0, 1)) -> Report:
     """Check a step folder; raise CheckpointError naming the first problem and the way on.
 
     `optimizer=False` leaves optimizer/ alone (a resume with checkpoints.load_optimizer: false).
+    `share=(r, n)` hashes only the files r, r + n, r + 2n, ... of the manifest (sizes, parsing and
+    coverage are checked whole): n ranks together read every byte once.
     """
     folder = Path(folder)
     try:
-        return _verify(folder, optimizer)
+        return _verify(folder, optimizer, share)
     except _Damage as damage:
         fresh = FRESH_OPTIMIZER if damage.file.startswith("optimizer/") else ""
         raise CheckpointError(f"checkpoint {folder} is damaged: {damage}; {way_on(folder)}{fresh}") from None
@@ -67,38 +70,36 @@ def verify_checkpoint(folder: Path, *, optimizer: bool = True) -> Report:
 
 
 def verify_for_resume(
-    folder: Path, *, is_main: bool, broadcast: Callable[[Any], Any], load_optimizer: bool
+    folder: Path, *, rank: int, world_size: int, gather: Callable[[Any], list[Any]], load_optimizer: bool
 ) -> dict[str, Any]:
-    """Rank 0 checks the checkpoint a run resumes from and every rank raises the same error, or
-    every rank goes on; returns meta.json."""
+    """Every rank checks its share of the checkpoint a run resumes from (`gather`: the engine's
+    all_gather_object); every rank raises the same error (the lowest rank's verdict), or all go on.
+    Returns meta.json."""
     verdict: str | None = None
     failure: BaseException | None = None
-    if is_main:
-        try:
-            report = verify_checkpoint(folder, optimizer=load_optimizer)
-            if not report.has_manifest:
-                log.info(
-                    "%s was written before checkpoints had a manifest: its files were parsed, not checksummed", folder
-                )
-        except BaseException as exc:  # the other ranks must hear of it, whatever it is
-            failure = exc
-            verdict = str(exc) if isinstance(exc, NanocoreError) else f"rank 0 could not check {folder} ({exc!r})"
-    verdict = broadcast(verdict)
-    if failure is not None:
-        raise failure
-    if verdict is not None:
-        raise CheckpointError(verdict)
+    try:
+        report = verify_checkpoint(folder, optimizer=load_optimizer, share=(rank, world_size))
+        if rank == 0 and not report.has_manifest:
+            log.info("%s was written before checkpoints had a manifest: its files were parsed, not checksummed", folder)
+    except BaseException as exc:  # the other ranks must hear of it, whatever it is
+        failure = exc
+        verdict = str(exc) if isinstance(exc, NanocoreError) else f"rank {rank} could not check {folder} ({exc!r})"
+    first = next((v for v in gather(verdict) if v is not None), None)
+    if failure is not None and not isinstance(failure, NanocoreError):
+        raise failure  # a bug, with its traceback
+    if first is not None:
+        raise CheckpointError(first)
     return json.loads((folder / "meta.json").read_text())
 
 
-def _verify(folder: Path, optimizer: bool) -> Report:
+def _verify(folder: Path, optimizer: bool, share: tuple[int, int]) -> Report:
     checked = []
     try:
         manifest = read_manifest(folder)
     except ValueError as exc:
         raise _Damage(MANIFEST, str(exc)) from None
     if manifest is not None:
-        checked.append(_check_files(folder, manifest["files"], optimizer))
+        checked.append(_check_files(folder, manifest["files"], optimizer, share))
     else:
         checked.append(f"{MANIFEST}: none (written before checkpoints had one): files parsed, not checksummed")
     meta = _read_meta(folder)
@@ -118,9 +119,10 @@ def _verify(folder: Path, optimizer: bool) -> Report:
     return Report(folder, meta, manifest is not None, checked)
 
 
-def _check_files(folder: Path, files: dict[str, Any], optimizer: bool) -> str:
+def _check_files(folder: Path, files: dict[str, Any], optimizer: bool, share: tuple[int, int]) -> str:
+    rank, ranks = share
     count = size = 0
-    for name, entry in sorted(files.items()):
+    for index, (name, entry) in enumerate(sorted(files.items())):
         if not optimizer and name.startswith("optimizer/"):
             continue
         path = folder / name
@@ -129,13 +131,15 @@ def _check_files(folder: Path, files: dict[str, Any], optimizer: bool) -> str:
         actual = path.stat().st_size
         if actual != entry["size"]:
             raise _Damage(name, f"has {actual} bytes but had {entry['size']} when saved (truncated or overwritten)")
+        count, size = count + 1, size + actual
+        if index % ranks != rank:
+            continue  # another rank hashes this one
         digest = describe(path)[ALGORITHM]
         if digest != entry.get(ALGORITHM):
             raise _Damage(
                 name,
                 f"does not match its checksum ({ALGORITHM} {digest}, saved as {entry.get(ALGORITHM)}): it is damaged",
             )
-        count, size = count + 1, size + actual
     return f"{MANIFEST}: {count} files ({size} bytes), the size and {ALGORITHM} of each as saved"
 
 

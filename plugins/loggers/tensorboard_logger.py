@@ -28,6 +28,9 @@ class TensorBoardLogger:
         options = options or TensorBoardOptions()
         self.log_dir = Path(ctx.log_dir) / options.subdir
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not ctx.append:  # a fresh run (its log_dir was empty, or overwrite was asked for): no old curves
+            for old in self.log_dir.glob("events.out.tfevents.*"):
+                old.unlink()
         # On resume, hide what a crashed launch logged after the checkpoint it restarts from.
         purge_step = ctx.start_step + 1 if ctx.start_step > 0 else None
         self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)

@@ -276,13 +276,6 @@ class Engine3D:
     def barrier(self) -> None:
         self.ctx.barrier()
 
-    def broadcast_object(self, obj: Any) -> Any:
-        if not self.ctx.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def all_ranks_ok(self, ok: bool) -> bool:
         if not self.ctx.distributed:
             return ok

@@ -79,7 +79,9 @@ def two_steps(tmp_path) -> Path:
 
 
 def resume(folder: Path, load_optimizer: bool = True) -> dict:
-    return verify_for_resume(folder, is_main=True, broadcast=lambda verdict: verdict, load_optimizer=load_optimizer)
+    return verify_for_resume(
+        folder, rank=0, world_size=1, gather=lambda verdict: [verdict], load_optimizer=load_optimizer
+    )
 
 
 def damaged(folder: Path, file: str, load_optimizer: bool = True) -> str:
@@ -148,12 +150,27 @@ def test_invalid_manifest(two_steps):
     damaged(two_steps, "manifest.json is not valid JSON")
 
 
-def test_every_rank_raises_rank_0s_verdict(two_steps):
-    (two_steps / "meta.json").write_text("")
-    verdict = damaged(two_steps, "meta.json")
-    with pytest.raises(CheckpointError) as info:  # rank 1 does not check; it gets rank 0's words
-        verify_for_resume(two_steps, is_main=False, broadcast=lambda _: verdict, load_optimizer=True)
-    assert str(info.value) == verdict
+def test_ranks_share_the_checksums_and_all_raise_the_lowest_ranks_verdict(two_steps):
+    """Two ranks each hash half the files; the rank that finds the damage decides what both say."""
+    files = sorted(json.loads((two_steps / MANIFEST).read_text())["files"])
+    with (two_steps / "config.yaml").open("r+b") as f:  # same size, other bytes
+        f.seek(0)
+        f.write(b"#")
+    owner = files.index("config.yaml") % 2
+    verdicts = {}
+    for rank in (0, 1):
+        try:
+            verify_checkpoint(two_steps, share=(rank, 2))
+            verdicts[rank] = None
+        except CheckpointError as exc:
+            verdicts[rank] = str(exc)
+    assert verdicts[1 - owner] is None, "the other rank does not hash config.yaml"
+    assert "config.yaml does not match its checksum" in verdicts[owner]
+    for rank in (0, 1):  # what each rank raises, given both verdicts
+        with pytest.raises(CheckpointError) as info:
+            verify_for_resume(two_steps, rank=rank, world_size=2, gather=lambda _: [verdicts[0], verdicts[1]],
+                              load_optimizer=True)  # fmt: skip
+        assert str(info.value) == verdicts[owner]
 
 
 def test_no_previous_checkpoint_says_so(tmp_path):

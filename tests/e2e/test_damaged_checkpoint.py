@@ -213,3 +213,29 @@ def test_a_converted_checkpoint_has_a_manifest(tmp_path):
 
     report = verify_checkpoint(from_hf(save_hf_llama(tmp_path / "hf"), tmp_path / "converted"))
     assert report.has_manifest and report.checked[0].startswith("manifest.json: 3 files")
+
+
+def _resume_rank(rank: int, world_size: int, raw: dict) -> str | None:
+    """Resume on one rank of two; the message this rank stops with, if any."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    plugins = load_plugins()
+    try:
+        trainer = Trainer(LoadedConfig(structure_config(raw, plugins.registries), plugins, None))
+    except CheckpointError as exc:
+        return str(exc)
+    trainer.close()
+    return None
+
+
+def test_two_ranks_share_the_check_and_stop_with_one_message(tmp_path):
+    """dp2: rank r hashes every other file of the manifest; damage only rank 1 hashes stops both ranks alike."""
+    run_training(dp2_config(tmp_path, 2), 2)
+    folder = tmp_path / "checkpoints" / "2"
+    files = sorted(json.loads((folder / "manifest.json").read_text())["files"])
+    victim = next(name for i, name in enumerate(files) if i % 2 == 1 and name.endswith(".safetensors"))
+    zero_bytes(folder / victim)
+    raw = dp2_config(tmp_path, 4)
+    raw["checkpoints"]["resume_checkpoint_path"] = str(tmp_path / "checkpoints")
+    on_rank_0, on_rank_1 = run_ranks(2, _resume_rank, raw, timeout=600)
+    assert on_rank_0 == on_rank_1, (on_rank_0, on_rank_1)
+    assert f"checkpoint {folder} is damaged: {victim} does not match its checksum" in on_rank_0

@@ -252,3 +252,10 @@ def test_tensorboard_resume_hides_steps_after_the_checkpoint(registries, tmp_pat
     logger.log_metrics(3, resumed_row)
     logger.close()
     assert read_scalars(tmp_path / "tensorboard")["train/lm_loss"] == [(1, 2.75), (2, 2.5), (3, 9.0)]
+
+
+def test_tensorboard_fresh_run_replaces_an_overwritten_runs_curves(registries, tmp_path):
+    run(make(registries, "tensorboard", context(tmp_path)), [1, 2, 3])
+    run(make(registries, "tensorboard", context(tmp_path)), [1])  # checkpoints.overwrite: a fresh run
+    assert read_scalars(tmp_path / "tensorboard")["train/lm_loss"] == [(1, 2.75)]
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1

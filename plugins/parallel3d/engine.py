@@ -259,7 +259,7 @@ class Engine3D:
             optimizer = int(self.optimizer.expected_state_bytes(states))
         return {
             "parameters": sum(p.numel() for p in params),
-            "written_parameters": sum(t.param.numel() for t in self.trainables if t.writer) if self.dp_rank == 0 else 0,
+            "written_parameters": sum(_real_numel(t) for t in self.trainables if t.writer) if self.dp_rank == 0 else 0,
             "params_bytes": sum(p.numel() * p.element_size() for p in params),
             "grads_bytes": self.grads.buffer.numel() * self.grads.buffer.element_size(),
             "optimizer_bytes": optimizer,
@@ -287,7 +287,16 @@ class Engine3D:
         """Drop everything that holds a process group (TP layers, buffers, optimizer), then destroy them."""
         if getattr(self, "grads", None) is not None:
             self.grads.close()
-        for name in ("model", "local", "executor", "grads", "optimizer", "trainables", "tied_split", "tp_mode", "_flops_model"):
+        held = ("model", "local", "executor", "grads", "optimizer", "trainables", "tied_split", "tp_mode", "_flops_model")
+        for name in held:
             if hasattr(self, name):
                 setattr(self, name, None)
         self.ctx.destroy()
+
+
+def _real_numel(t: TrainableParam) -> int:
+    """Elements of a parameter piece that are the model's, not vocabulary padding of this layout."""
+    if t.param.dim() == 0 or t.param.shape[0] == 0:
+        return t.param.numel()
+    rows = t.param.shape[0]
+    return t.param.numel() // rows * t.placement.real_rows(rows)

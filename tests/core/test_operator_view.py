@@ -159,3 +159,16 @@ def test_config_command_loads_the_data(tmp_path, capsys):
     assert cli_run(["config", write(tmp_path, raw)]) == 2
     err = capsys.readouterr().err
     assert err.count("nanocore: error:") == 1 and "gone.txt" in err
+
+
+def test_summary_counts_the_models_parameters_not_the_layouts_padding(tmp_path, caplog):
+    raw = tiny_config(tmp_path, model={"make_vocab_size_divisible_by": 16})
+    raw["model"]["model_config"]["vocab_size"] = 61  # padded to 64 rows: 3 rows of padding per table
+    raw["tokens"]["train_steps"] = 1
+    with caplog.at_level(logging.INFO, logger="nanocore"):
+        result = run_training(raw)
+    (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start of run")]
+    hidden = raw["model"]["model_config"]["hidden_size"]
+    padded = sum(t.numel() for t in result["weights"].values())
+    true = padded - 2 * 3 * hidden  # untied embedding and head
+    assert f"model: llama, {true / 1e3:.3g}K parameters" in summary, summary

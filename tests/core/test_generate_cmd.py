@@ -133,5 +133,23 @@ def test_a_plugin_file_a_checkpoint_names_is_never_run(trained, tmp_path, capsys
     assert not list(tmp_path.rglob("EVIL_RAN")), "a plugin named by a checkpoint was imported"
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     # With the user's consent it is loaded like any local plugin.
-    assert run(["generate", "--ckpt-path", str(step), "--prompt", "ab", "--max-new-tokens", "3", "--plugin", str(evil)]) == 0
+    assert (
+        run(["generate", "--ckpt-path", str(step), "--prompt", "ab", "--max-new-tokens", "3", "--plugin", str(evil)])
+        == 0
+    )
     assert (tmp_path / "checkpoints" / "EVIL_RAN").is_file()
+
+
+def test_resuming_training_never_imports_what_a_checkpoint_names(trained, tmp_path):
+    step = retrain_with_plugins(trained, tmp_path, ["evil.py"])
+    (step / "evil.py").write_text(EVIL)
+    (step.parent / "evil.py").write_text(EVIL)
+    config = tiny_config(
+        tmp_path,
+        model={"model_config": {**TINY_MODEL, "vocab_size": 257}, "make_vocab_size_divisible_by": 64},
+        tokenizer={"tokenizer_name_or_path": "byte"},
+        tokens={"train_steps": 4},
+        checkpoints={"resume_checkpoint_path": str(step.parent)},
+    )
+    assert len(run_training(config)["losses"]) == 1  # step 4, from the checkpoint of step 3
+    assert not list(tmp_path.rglob("EVIL_RAN"))

@@ -85,6 +85,10 @@ def test_latest_starts_fresh_then_continues_after_a_preemption(tmp_path):
     logged = rows(tmp_path / "rerun")
     assert [r["step"] for r in logged] == [1, 2, 3, 3, 4, 5, 6], "appended: the preempted launch's step 3 is kept"
     assert [r["lm_loss"] for r in logged[3:]] == uninterrupted[2:]
+    run_ids = {
+        json.loads((tmp_path / "rerun" / "checkpoints" / s / "meta.json").read_text())["run_id"] for s in ("2", "6")
+    }
+    assert len(run_ids) == 1, "one run across its launches: loggers (W&B) continue it under this id"
 
 
 def test_overwrite_replaces_the_earlier_run(tmp_path):

@@ -23,6 +23,8 @@ class StepOutput:
     loss: float  # mean token loss over the global batch
     grad_norm: float | None  # global gradient norm before clipping
     skipped: bool = False  # True when the loss was not finite and no update was made
+    # further figures the engine measured (MoE: moe_aux_loss, moe_z_loss, moe_max_load), logged beside lm_loss
+    metrics: dict[str, float] = attrs.field(factory=dict)
 
 
 class Engine(Protocol):
@@ -89,12 +91,18 @@ class TrainableParam:
     placement: Any  # nanocore.sharding.Placement of `param`
     writer: bool  # True on exactly one rank per replica group of this piece (before ZeRO sharding)
     weight_decay: bool  # False for norms and biases
+    # the data-parallel group over which this piece is replicated (`group`, `rank`, `size`); None: the
+    # engine's `dp` handed to the ZeRO factory. Expert weights under expert parallelism are replicated
+    # over the expert-data-parallel group only (ranks holding the same experts).
+    dp: Any = None
 
 
 class ZeroOptimizer(Protocol):
     """What a ZeRO-stage plugin builds: `factory(params, build_optimizer, dp) -> ZeroOptimizer`.
 
-    `build_optimizer(param_groups)` makes the configured torch optimizer; `dp` has `group`, `rank`, `size`.
+    `build_optimizer(param_groups)` makes the configured torch optimizer; `dp` has `group`, `rank`,
+    `size`. A parameter whose `TrainableParam.dp` is set is replicated over that group instead: a
+    stage shards and exchanges it there, and its rank 0 there writes its state.
     """
 
     def step(self, lr: float) -> None:

@@ -359,6 +359,7 @@ class Trainer:
         metrics: dict[str, Any] = {
             "step": self.step,
             "lm_loss": out.loss,
+            **getattr(out, "metrics", {}),  # the engine's own figures (MoE: moe_aux_loss, moe_max_load...)
             "lr": lr,
             "grad_norm": out.grad_norm,
             "tokens_per_sec": tokens_per_sec,

@@ -34,6 +34,8 @@ class ShardedTensor:
     name: str
     tensor: torch.Tensor
     placement: Placement
+    # False for weights the optimizer never updates (a router's balancing bias): they have no optimizer state
+    trained: bool = True
 
 
 def write_shards(path: Path, shards: Iterable[ShardedTensor]) -> None:
@@ -53,6 +55,7 @@ def write_shards(path: Path, shards: Iterable[ShardedTensor]) -> None:
             "name": shard.name,
             "full_shape": list(placement.real_shape),
             "offsets": list(placement.offsets),
+            **({} if shard.trained else {"trained": False}),
         }
     if not tensors:
         return

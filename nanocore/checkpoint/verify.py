@@ -172,6 +172,7 @@ class _Index:
 
     files: int = 0
     tensors: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], str]]] = attrs.Factory(dict)
+    untrained: set[str] = attrs.Factory(set)  # weights without optimizer state (ShardedTensor.trained False)
 
 
 def _index(folder: Path, sub: str) -> _Index:
@@ -185,6 +186,8 @@ def _index(folder: Path, sub: str) -> _Index:
                     shape = tuple(f.get_slice(key).get_shape())
                     piece = (tuple(info["full_shape"]), tuple(info["offsets"]), shape, name)
                     index.tensors.setdefault(info["name"], []).append(piece)
+                    if info.get("trained") is False:
+                        index.untrained.add(info["name"])
         except Exception as exc:  # safetensors raises its own error type for a damaged file
             raise _Damage(name, f"is not a readable safetensors file ({type(exc).__name__}: {exc})") from None
         index.files += 1
@@ -224,7 +227,7 @@ def _check_optimizer(folder: Path, model: _Index, meta: dict[str, Any], has_mani
             raise _Damage("optimizer/", f"holds no optimizer state, but the checkpoint is of step {meta['step']}")
         return "optimizer: none saved"  # a manifest says so: nothing was written (step 0, or a stateless optimizer)
     owners = {name.split("::")[0] for name in state.tensors}
-    missing = sorted(set(model.tensors) - owners)
+    missing = sorted(set(model.tensors) - model.untrained - owners)
     if missing:
         raise _Damage(
             "optimizer/",

@@ -1,7 +1,7 @@
 """From a single-device model plugin to this rank's part of the model.
 
 Order (fixed, like torchtitan's): build on meta -> tensor parallel (swap modules by the TP plan)
--> pipeline cut (keep this rank's chunks) -> materialise (each parameter initialised as the *full*
+-> expert parallel (keep this rank's experts of each MoE layer) -> pipeline cut (keep this rank's chunks) -> materialise (each parameter initialised as the *full*
 tensor from a generator seeded by (seed, name), then sliced by its Placement) -> re-tie.
 
 The vocabulary is padded for this layout (`vocab_multiple`); the placements of the parameters the
@@ -18,8 +18,11 @@ import torch
 from torch import nn
 
 from nanocore.model_api import check_model, valid_rows
+from nanocore.moe_api import moe_layers
 from nanocore.registry import Entry
 from nanocore.sharding import Placement, get_placement, set_placement
+
+from .experts import shard_experts
 
 
 @attrs.define
@@ -34,6 +37,8 @@ class LocalModel:
     vocab_size: int
     canonical: dict[str, str]  # local parameter name -> name used for init and checkpoints
     replica_of_tied: set[str]  # local names that are copies of a tied parameter owned by another stage
+    moe_layers: list[str] = attrs.field(factory=list)  # every MoE layer of the whole model, local or not
+    moe_experts: int = 0  # the most experts of any MoE layer (the width of the routing statistics)
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -84,6 +89,8 @@ def build_local_model(
     virtual_stages: int,
     vocab_multiple: int,
     parallelize_tp: Any = None,
+    ep_size: int = 1,
+    ep_rank: int = 0,
 ) -> LocalModel:
     with torch.device("meta"):
         model = entry.factory(model_args, vocab_multiple=vocab_multiple)
@@ -92,6 +99,9 @@ def build_local_model(
     tied = list(getattr(model, "tied_parameters", []))
     if parallelize_tp is not None:
         parallelize_tp(model)
+    all_moe_layers = moe_layers(model)
+    most_experts = max((int(model.get_submodule(n).num_experts) for n in all_moe_layers), default=0)
+    shard_experts(model, ep_size, ep_rank)
 
     all_chunks = partition(blocks, pp_size * virtual_stages)
     chunk_ids = [c * pp_size + pp_rank for c in range(virtual_stages)]
@@ -133,6 +143,8 @@ def build_local_model(
         vocab_size=int(model.vocab_size),
         canonical=canonical,
         replica_of_tied=replica_of_tied,
+        moe_layers=all_moe_layers,
+        moe_experts=most_experts,
     )
 
 

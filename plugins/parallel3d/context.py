@@ -1,6 +1,12 @@
-"""The process grid: TP innermost (ranks of one node), then PP, then DP.
+"""The process grid: TP innermost (ranks of one node), then PP, then DP, with EP carved out of DP.
 
 global rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank
+dp_rank     = edp_rank * ep + ep_rank
+
+Expert parallelism splits the experts over `ep` consecutive data-parallel ranks (an expert-parallel
+group: same pp and tp rank, dp ranks edp*ep .. edp*ep + ep-1); tokens travel inside it by
+all-to-all. Ranks holding the same experts (same ep_rank, every edp) form the expert-data-parallel
+group, over which expert gradients are reduced; everything else is reduced over all of DP.
 
 A `ParallelContext` is created once by the engine and passed explicitly; there is no global.
 """
@@ -52,8 +58,13 @@ class ParallelContext:
         self.tp_rank = self.rank % self.tp
         self.pp_rank = (self.rank // self.tp) % self.pp
         self.dp_rank = self.rank // (self.tp * self.pp)
+        self.ep = par.expert_parallel_size
+        if self.dp % self.ep:
+            raise ConfigError(f"parallelism.expert_parallel_size: {self.ep} must divide dp={self.dp}")
+        self.ep_rank, self.edp_rank, self.edp = self.dp_rank % self.ep, self.dp_rank // self.ep, self.dp // self.ep
         self.distributed = self.world_size > 1
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.tied_group = None
+        self.ep_group = self.edp_group = None
         self.pp_group_ranks: list[int] = [self.rank]
         self.p2p_groups: tuple = (None, None)
         self._created: list[weakref.ref] = []  # every group this context made, to check they are gone at the end
@@ -114,6 +125,19 @@ class ParallelContext:
             g = group(ranks)
             if self.rank in ranks:
                 self.mp_group = g
+        if self.ep > 1:
+            for p, t, e in product(range(self.pp), range(self.tp), range(self.edp)):
+                ranks = [self.global_rank(e * self.ep + r, p, t) for r in range(self.ep)]
+                g = group(ranks)
+                if self.rank in ranks:
+                    self.ep_group = g
+            for p, t, r in product(range(self.pp), range(self.tp), range(self.ep)):
+                ranks = [self.global_rank(e * self.ep + r, p, t) for e in range(self.edp)]
+                g = group(ranks)
+                if self.rank in ranks:
+                    self.edp_group = g
+        else:
+            self.edp_group = self.dp_group
         self.world_group = dist.group.WORLD
 
     def pp_peer(self, pp_rank: int) -> int:
@@ -148,6 +172,7 @@ class ParallelContext:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.tied_group = None
+        self.ep_group = self.edp_group = None
         self.p2p_groups = (None, None)
         self.world_group = None
         gc.collect()

@@ -1,9 +1,10 @@
 """The built-in 3D engine: data x tensor x pipeline parallelism over any model plugin.
 
-Parallelism is applied from outside the single-device model in a fixed order (TP plan, pipeline
-cut, materialisation), then one pipeline executor runs the configured schedule, gradients are
-reduced (DP buckets during backward, then TP and tied-parameter reductions), clipped over the whole
-model counting every element once, and the ZeRO-stage plugin steps the optimizer.
+Parallelism is applied from outside the single-device model in a fixed order (TP plan, expert
+split, pipeline cut, materialisation), then one pipeline executor runs the configured schedule,
+gradients are reduced (DP buckets during backward, expert weights over the ranks holding the same
+experts, then TP and tied-parameter reductions), clipped over the whole model counting every
+element once, and the ZeRO-stage plugin steps the optimizer.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import torch.nn.functional as F
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
 from nanocore.config import Config
 from nanocore.engine_api import StepOutput, TrainableParam
+from nanocore.moe_api import MoELayer
 from nanocore.registry import Entry, Registries
 from nanocore.sharding import get_placement
 
 from .build import LocalModel, build_local_model
 from .context import ParallelContext
+from .experts import ExpertParallel, is_expert
 from .grads import GradBuffers
 from .pipeline import PipelineExecutor
 from .tensor_parallel import parallelize as tp_parallelize
@@ -81,8 +84,11 @@ class Engine3D:
             virtual_stages=par.pp_virtual_stages,
             vocab_multiple=model_args.make_vocab_size_divisible_by * ctx.tp,
             parallelize_tp=parallelize,
+            ep_size=ctx.ep,
+            ep_rank=ctx.ep_rank,
         )
         self.model = self.local.module
+        self._setup_experts()
         self.true_vocab_size = self.local.true_vocab_size
         with torch.device("meta"):  # the whole single-device model, for FLOPs per token
             self._flops_model = entry.factory(model_args, vocab_multiple=model_args.make_vocab_size_divisible_by)
@@ -97,6 +103,22 @@ class Engine3D:
             on_final_backward=self.grads.final_backward,
         )
 
+    def _setup_experts(self) -> None:
+        """Hand every local MoE layer the expert-parallel runtime (all-to-all over the EP group)."""
+        ctx = self.ctx
+        token_group = ctx.tp_group if self.tp_mode is not None and self.tp_mode.sequence_parallel else None
+        self.runtime = ExpertParallel(ctx.ep_group, ctx.ep, ctx.ep_rank, token_group=token_group)
+        self.moe_local: dict[int, MoELayer] = {}  # index among the model's MoE layers -> local layer
+        for index, name in enumerate(self.local.moe_layers):
+            try:
+                layer = self.model.get_submodule(name)
+            except AttributeError:  # on another pipeline stage
+                continue
+            if isinstance(layer, MoELayer):
+                layer.set_runtime(self.runtime)
+                self.moe_local[index] = layer
+        self.edp = DPInfo(ctx.edp_group, ctx.edp_rank, ctx.edp)
+
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.ctx.tp > 1:
             vocab_start = self.ctx.tp_rank * logits.shape[-1]
@@ -106,7 +128,8 @@ class Engine3D:
 
     def _setup_grads(self) -> None:
         ctx, local = self.ctx, self.local
-        params = dict(self.model.named_parameters())
+        # parameters with requires_grad=False (a router's balancing bias) are saved, never trained
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         chunk_params: list[list[torch.nn.Parameter]] = []
         seen: set[int] = set()
         for chunk in local.chunks:
@@ -125,20 +148,31 @@ class Engine3D:
             bucket_bytes=self.config.model.ddp_bucket_cap_mb * 2**20,
             dp_group=ctx.dp_group,
             dp_size=ctx.dp,
+            replica_group=lambda p: (ctx.edp_group, ctx.edp) if is_expert(p) else (ctx.dp_group, ctx.dp),
         )
         self.tied_split = self._tied_local()
-        self.writer = self._writers(params)
+        self.writer = self._writers(dict(self.model.named_parameters()))
 
     def _writers(self, params: dict[str, torch.nn.Parameter]) -> dict[str, bool]:
         """Exactly one rank of each replica group writes (and counts in the grad norm) each piece:
-        the TP rank that owns it, and the first pipeline stage for a tied pair split across stages."""
+        the TP rank that owns it, and the first pipeline stage for a tied pair split across stages
+        (among data-parallel replicas, see `_writes_model`)."""
         owned = {name for name, _ in tp_owned_parameters(self.model, self.ctx.tp_group)}
         return {n: n in owned and n not in self.local.replica_of_tied for n in params}
 
+    def _writes_model(self, param: torch.nn.Parameter, writer: bool) -> bool:
+        """Whether this rank saves the piece: a writer, on the first rank of its data-parallel replicas."""
+        return writer and (self.ctx.edp_rank if is_expert(param) else self.dp_rank) == 0
+
     # -- optimizer ------------------------------------------------------------------------
     def setup_optimizer(self, optimizer: Entry, zero: Entry, optimizer_args: Any) -> None:
-        trainables = []
+        trainables, frozen = [], []
         for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                frozen.append(
+                    TrainableParam(self.local.canonical[name], p, None, get_placement(p), self.writer[name], False)
+                )
+                continue
             trainables.append(
                 TrainableParam(
                     name=self.local.canonical[name],
@@ -147,9 +181,10 @@ class Engine3D:
                     placement=get_placement(p),
                     writer=self.writer[name],
                     weight_decay=p.dim() >= 2,
+                    dp=self.edp if is_expert(p) else None,
                 )
             )
-        self.trainables = trainables
+        self.trainables, self.frozen = trainables, frozen
         args = optimizer_args
         count = optimizer.extras.get("states_per_element")  # for the start-of-run memory estimate
         self._states_per_element = count(args.optimizer_factory.args) if count is not None else None
@@ -183,22 +218,69 @@ class Engine3D:
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepOutput:
         self.model.train()
         self.grads.start_step()
+        self.runtime.grad_scale = 1.0 / len(micro_batches)  # auxiliary losses: the mean over micro-batches
         local = self.executor.run(micro_batches, train=True)
         self.grads.finish()
         if self.ctx.tp > 1:  # sequence-parallel replicated params, kv heads shared by several ranks
-            tp_grad_sync(self.model, self.ctx.tp_group, grad_of=lambda p: p.main_grad)
+            tp_grad_sync(self.model, self.ctx.tp_group, grad_of=lambda p: getattr(p, "main_grad", None))
         for p in self.tied_split:  # tied embeddings on the first and last stage: sum both sides
             dist.all_reduce(p.main_grad, group=self.ctx.tied_group)
         loss = self._global_mean(local)
+        counts, metrics = self._moe_statistics()
         if not math.isfinite(loss):
-            return StepOutput(loss, None, skipped=True)
+            return StepOutput(loss, None, skipped=True, metrics=metrics)
         norm = self._grad_norm()
         clip = self.config.optimizer.clip_grad
         if clip is not None and norm > clip:
             scale = clip / (norm + 1e-6)
             self.grads.buffer.mul_(scale)
         self.optimizer.step(lr)
-        return StepOutput(loss, norm)
+        for index, layer in self.moe_local.items():  # bias-balanced routers (DeepSeek-V3) follow the step's load
+            update = getattr(layer, "update_router_bias", None)
+            if update is not None:
+                update(counts[index])
+        return StepOutput(loss, norm, metrics=metrics)
+
+    def _moe_statistics(self) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """The step's routing statistics over every rank: tokens per expert of each MoE layer (the
+        global counts), and the metrics: auxiliary and z losses (each layer's mean over the global
+        batch's micro-batches, summed over layers) and `moe_max_load` (the busiest expert's tokens over
+        the mean, worst layer)."""
+        layers = self.local.moe_layers
+        if not layers:
+            return None, {}
+        ctx, experts = self.ctx, self.local.moe_experts
+        rows: dict[int, torch.Tensor] = {}
+        for index, layer in self.moe_local.items():
+            stats = layer.pop_statistics()
+            if stats is None or ctx.tp_rank != 0:  # TP ranks hold the same statistics (summed over shards)
+                continue
+            row = torch.zeros(experts + 5, dtype=torch.float64)
+            row[: int(layer.num_experts)] = stats.tokens_per_expert.detach().to("cpu", torch.float64)
+            row[experts] = stats.aux_loss or 0.0
+            row[experts + 1] = stats.z_loss or 0.0
+            row[experts + 2] = stats.micro_batches
+            row[experts + 3] = float(stats.aux_loss is not None)
+            row[experts + 4] = float(stats.z_loss is not None)
+            rows[index] = row
+        table = torch.zeros(len(layers), experts + 5, dtype=torch.float64)
+        for index, row in rows.items():
+            table[index] = row
+        if ctx.distributed:
+            table = table.to(self.device)
+            dist.all_reduce(table)
+            table = table.cpu()
+        counts, aux, z, batches = table[:, :experts], table[:, experts], table[:, experts + 1], table[:, experts + 2]
+        if not bool((batches > 0).all()):  # e.g. a step without recorded forwards
+            return counts, {}
+        metrics = {}
+        if bool((table[:, experts + 3] > 0).any()):
+            metrics["moe_aux_loss"] = float((aux / batches).sum())
+        if bool((table[:, experts + 4] > 0).any()):
+            metrics["moe_z_loss"] = float((z / batches).sum())
+        mean = counts.mean(dim=1).clamp_min(1e-12)
+        metrics["moe_max_load"] = float((counts.max(dim=1).values / mean).max())
+        return counts, metrics
 
     def _tied_local(self) -> list[torch.nn.Parameter]:
         """Local parameters that are one side of a tied pair split across the first and last stage."""
@@ -213,9 +295,13 @@ class Engine3D:
 
     def _grad_norm(self) -> float:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        experts = torch.zeros((), dtype=torch.float32, device=self.device)
         for t in self.trainables:
             if t.writer:
-                total += t.grad.float().pow(2).sum()
+                (experts if t.dp is not None else total).add_(t.grad.float().pow(2).sum())
+        if self.ctx.ep > 1:  # each expert-parallel rank holds other experts
+            dist.all_reduce(experts, group=self.ctx.ep_group)
+        total += experts
         if self.ctx.distributed and self.ctx.tp * self.ctx.pp > 1:
             dist.all_reduce(total, group=self.ctx.mp_group)
         return float(total.sqrt())
@@ -229,16 +315,18 @@ class Engine3D:
 
     # -- checkpoints ----------------------------------------------------------------------
     def model_shards(self) -> list[ShardedTensor]:
-        if self.dp_rank != 0:
-            return []
-        return [ShardedTensor(t.name, t.param.detach(), t.placement) for t in self.trainables if t.writer]
+        return [
+            ShardedTensor(t.name, t.param.detach(), t.placement, trained=t.param.requires_grad)
+            for t in (*self.trainables, *self.frozen)
+            if self._writes_model(t.param, t.writer)
+        ]
 
     def optimizer_shards(self) -> list[ShardedTensor]:
         return self.optimizer.state_shards()
 
     @torch.no_grad()
     def load_model(self, reader: ShardReader) -> None:
-        for t in self.trainables:
+        for t in (*self.trainables, *self.frozen):
             t.param.copy_(reader.read(t.name, t.placement, tuple(t.param.shape), dtype=t.param.dtype))
         if self.optimizer is not None:
             self.optimizer.refresh_master_weights()
@@ -259,7 +347,9 @@ class Engine3D:
             optimizer = int(self.optimizer.expected_state_bytes(states))
         return {
             "parameters": sum(p.numel() for p in params),
-            "written_parameters": sum(_real_numel(t) for t in self.trainables if t.writer) if self.dp_rank == 0 else 0,
+            "written_parameters": sum(
+                _real_numel(t) for t in (*self.trainables, *self.frozen) if self._writes_model(t.param, t.writer)
+            ),
             "params_bytes": sum(p.numel() * p.element_size() for p in params),
             "grads_bytes": self.grads.buffer.numel() * self.grads.buffer.element_size(),
             "optimizer_bytes": optimizer,
@@ -287,7 +377,10 @@ class Engine3D:
         """Drop everything that holds a process group (TP layers, buffers, optimizer), then destroy them."""
         if getattr(self, "grads", None) is not None:
             self.grads.close()
-        held = ("model", "local", "executor", "grads", "optimizer", "trainables", "tied_split", "tp_mode", "_flops_model")
+        held = (
+            "model", "local", "executor", "grads", "optimizer", "trainables", "frozen", "tied_split", "tp_mode",
+            "_flops_model", "runtime", "moe_local", "edp",
+        )
         for name in held:
             if hasattr(self, name):
                 setattr(self, name, None)

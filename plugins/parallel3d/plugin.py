@@ -6,24 +6,30 @@ import torch
 
 from nanocore import hookimpl
 from nanocore.config import Config
+from nanocore.moe_api import moe_layers
 
 from .engine import Engine3D
 
 
 def check(config: Config, _args: object, registries=None) -> list[str]:
     par, problems = config.parallelism, []
-    if par.expert_parallel_size > 1:
+    ep = par.expert_parallel_size
+    if ep < 1:
+        problems.append(f"parallelism.expert_parallel_size: {ep} must be at least 1")
+    elif par.dp % ep:
         problems.append(
-            f"parallelism.expert_parallel_size: {par.expert_parallel_size} needs a model plugin that provides "
-            "experts; the 3d engine runs dense models only (set it to 1)"
+            f"parallelism.expert_parallel_size: {ep} must divide parallelism.dp={par.dp} (expert-parallel "
+            "ranks are data-parallel ranks: each holds 1/ep of the experts and its own share of the batch)"
         )
     return problems
 
 
 def check_blocks(config: Config, model_entry) -> list[str]:
+    """Checks that need the model itself (built on the meta device): pipeline blocks and experts."""
     par = config.parallelism
     chunks = par.pp * par.pp_virtual_stages
-    if chunks <= 1:
+    ep = par.expert_parallel_size
+    if chunks <= 1 and ep <= 1:
         return []
     try:
         with torch.device("meta"):
@@ -31,12 +37,27 @@ def check_blocks(config: Config, model_entry) -> list[str]:
         blocks = len(model.pipeline_blocks())
     except Exception:  # the model's own check reports a broken model config
         return []
+    problems = []
     if blocks < chunks:
-        return [
+        problems.append(
             f"parallelism: pp x pp_virtual_stages = {chunks} pipeline chunks but the model has only {blocks} "
             "pipeline blocks (embedding, each decoder layer, head); add layers or lower pp / pp_virtual_stages"
-        ]
-    return []
+        )
+    if ep > 1:
+        layers = moe_layers(model)
+        if not layers:
+            problems.append(
+                f"parallelism.expert_parallel_size: {ep} needs a mixture-of-experts model, but model type "
+                f"{config.model.model_type!r} has no experts (use model_type: mixtral, or set it to 1)"
+            )
+        for name in layers[:1]:
+            experts = int(model.get_submodule(name).num_experts)
+            if experts % ep:
+                problems.append(
+                    f"parallelism.expert_parallel_size: {ep} must divide the model's {experts} experts "
+                    "(model.model_config.num_local_experts)"
+                )
+    return problems
 
 
 @hookimpl

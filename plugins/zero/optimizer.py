@@ -25,8 +25,8 @@ from nanocore.sharding import Placement, shard_range
 class _Slot:
     """What the torch optimizer updates for one parameter: a master tensor and its gradient."""
 
-    def __init__(self, t: TrainableParam, start: int, length: int, sharded: bool):
-        self.t, self.start, self.length = t, start, length
+    def __init__(self, t: TrainableParam, start: int, length: int, sharded: bool, dp):
+        self.t, self.start, self.length, self.dp = t, start, length, dp
         whole = not sharded or t.param.dim() == 0
         local_shape = tuple(t.param.shape)
         if whole:
@@ -66,11 +66,12 @@ class ZeroOptimizer:
         self.dp, self.sharded = dp, sharded
         self.slots: list[_Slot] = []
         for t in params:
+            group = t.dp or dp  # expert weights: the ranks holding the same experts
             if sharded and t.param.dim() > 0:
-                start, length = shard_range(t.param.shape[0], dp.size, dp.rank)
+                start, length = shard_range(t.param.shape[0], group.size, group.rank)
             else:
                 start, length = 0, t.param.shape[0] if t.param.dim() else 1
-            self.slots.append(_Slot(t, start, length, sharded))
+            self.slots.append(_Slot(t, start, length, sharded, group))
         decay = [s.master for s in self.slots if s.t.weight_decay]
         no_decay = [s.master for s in self.slots if not s.t.weight_decay]
         groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
@@ -86,24 +87,31 @@ class ZeroOptimizer:
         for slot in self.slots:
             slot.master.grad = None
             slot.write_back()
-        if self.sharded and self.dp.size > 1:
-            self._exchange_rows()
+        if self.sharded:
+            groups: dict[int, list[_Slot]] = {}
+            for slot in self.slots:  # one exchange per replica group, in the same order on every rank
+                groups.setdefault(id(slot.dp), []).append(slot)
+            for slots in groups.values():
+                if slots[0].dp.size > 1:
+                    self._exchange_rows(slots)
 
-    def _exchange_rows(self) -> None:
-        """Every rank gets every rank's updated rows: zero the rows it does not own, then sum."""
+    @staticmethod
+    def _exchange_rows(slots: list[_Slot]) -> None:
+        """Every rank of the slots' group gets every rank's updated rows: zero the rows it does not own, then sum."""
+        dp = slots[0].dp
         flat = []
-        for slot in self.slots:
+        for slot in slots:
             p = slot.t.param.data
             if p.dim() == 0:
-                flat.append(p.reshape(1) if self.dp.rank == 0 else torch.zeros_like(p).reshape(1))
+                flat.append(p.reshape(1) if dp.rank == 0 else torch.zeros_like(p).reshape(1))
                 continue
             mine = torch.zeros_like(p)
             mine.narrow(0, slot.start, slot.length).copy_(p.narrow(0, slot.start, slot.length))
             flat.append(mine.reshape(-1))
         buffer = torch.cat(flat)
-        dist.all_reduce(buffer, group=self.dp.group)
+        dist.all_reduce(buffer, group=dp.group)
         offset = 0
-        for slot in self.slots:
+        for slot in slots:
             p = slot.t.param.data
             n = p.numel()
             p.copy_(buffer[offset : offset + n].view_as(p))
@@ -111,7 +119,7 @@ class ZeroOptimizer:
 
     # -- checkpoints ----------------------------------------------------------------------
     def _writes(self, slot: _Slot) -> bool:
-        return slot.t.writer and (self.sharded or self.dp.rank == 0)
+        return slot.t.writer and (self.sharded or slot.dp.rank == 0)
 
     def state_shards(self) -> list[ShardedTensor]:
         out = []

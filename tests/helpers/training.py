@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from nanocore import hookimpl
 from nanocore.config.checks import check_config
 from nanocore.config.converter import structure_config
 from nanocore.config.load import LoadedConfig
@@ -68,8 +69,21 @@ def tiny_config(tmp: Path, **sections: Any) -> dict:
     return config
 
 
+class _MetricsRecorder:
+    """Keeps every step's metrics row (what the loggers receive)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    @hookimpl
+    def on_step_end(self, step, metrics, trainer):
+        self.rows.append(dict(metrics))
+
+
 def _train(raw: dict, world_size: int, extra_plugins: tuple = ()) -> dict:
     plugins = load_plugins()
+    recorder = _MetricsRecorder()
+    plugins.register_object(recorder, "test_metrics_recorder")
     for i, plugin in enumerate(extra_plugins):
         plugins.register_object(plugin, f"test_plugin_{i}")
     config = structure_config(raw, plugins.registries)
@@ -85,7 +99,7 @@ def _train(raw: dict, world_size: int, extra_plugins: tuple = ()) -> dict:
     # into interpreter shutdown, where they abort the process at random.
     ctx = getattr(trainer.engine, "ctx", None)
     assert ctx is None or ctx.live_groups() == 0, f"{ctx.live_groups()} process group(s) outlived shutdown"
-    return {"losses": losses, "pieces": pieces, "state_bytes": state_bytes}
+    return {"losses": losses, "pieces": pieces, "state_bytes": state_bytes, "metrics": recorder.rows}
 
 
 def _rank_train(rank: int, world_size: int, raw: dict) -> dict:
@@ -115,4 +129,9 @@ def run_training(raw: dict, world_size: int = 1, extra_plugins: tuple = ()) -> d
         results = [_train(raw, 1, extra_plugins)]
     else:
         results = run_ranks(world_size, _rank_train, raw, timeout=600)
-    return {"losses": results[0]["losses"], "weights": assemble(results), "ranks": results}
+    return {
+        "losses": results[0]["losses"],
+        "metrics": results[0]["metrics"],
+        "weights": assemble(results),
+        "ranks": results,
+    }

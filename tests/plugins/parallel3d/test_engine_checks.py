@@ -39,9 +39,53 @@ def test_fewer_layers_than_pipeline_chunks(registries, tmp_path):
     assert "8 pipeline chunks but the model has only 6 pipeline blocks" in message
 
 
-def test_experts_without_a_plugin(registries, tmp_path):
-    message = problems(registries, tmp_path, parallelism={"expert_parallel_size": 2})
-    assert "parallelism.expert_parallel_size: 2 needs a model plugin that provides experts" in message
+MIXTRAL = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def mixtral(**options):
+    from tests.helpers.training import TINY_MODEL
+
+    return {"model_config": {**TINY_MODEL, **MIXTRAL, **options}}
+
+
+def test_expert_parallel_with_a_dense_model(registries, tmp_path):
+    message = problems(registries, tmp_path, parallelism={"dp": 2, "expert_parallel_size": 2}, world_size=2)
+    assert "parallelism.expert_parallel_size: 2 needs a mixture-of-experts model" in message
+    assert "'llama' has no experts" in message
+
+
+def test_expert_parallel_must_divide_dp(registries, tmp_path):
+    message = problems(
+        registries, tmp_path, model=mixtral(), parallelism={"dp": 2, "expert_parallel_size": 4}, world_size=2
+    )
+    assert "parallelism.expert_parallel_size: 4 must divide parallelism.dp=2" in message
+
+
+def test_expert_parallel_must_divide_the_experts(registries, tmp_path):
+    message = problems(
+        registries,
+        tmp_path,
+        model=mixtral(num_local_experts=6),
+        parallelism={"dp": 4, "expert_parallel_size": 4},
+        tokens={"batch_accumulation_per_replica": 1},
+        world_size=4,
+    )
+    assert "6 experts" in message and "expert_parallel_size" in message and "num_local_experts" in message
+
+
+def test_top_k_above_the_experts(registries, tmp_path):
+    message = problems(registries, tmp_path, model=mixtral(num_experts_per_tok=5))
+    assert "model.model_config.num_experts_per_tok" in message and "num_local_experts" in message
+
+
+def test_router_jitter_is_refused(registries, tmp_path):
+    message = problems(registries, tmp_path, model=mixtral(router_jitter_noise=0.1))
+    assert "model.model_config.router_jitter_noise" in message
+
+
+def test_expert_parallel_size_below_one(registries, tmp_path):
+    message = problems(registries, tmp_path, parallelism={"expert_parallel_size": 0})
+    assert "parallelism.expert_parallel_size: 0 must be at least 1" in message
 
 
 def test_schedule_needing_more_microbatches(registries, tmp_path):

@@ -34,10 +34,17 @@ The module must provide:
   index something else (GPT-2's learned positions), and the declaration holds at tp=1, where no plan
   is applied.
 - optionally `recompute_blocks: set[str]`-compatible behaviour is the engine's business, not the model's.
+- optionally `moe_layers: list[str]`: the mixture-of-experts layers (see `nanocore.moe_api`).
+
+Helpers every model plugin can use (the built-in LLaMA/Mixtral and the GPT-2 example do):
+`TiedWeightsMixin` (`tie_weights`, and `to_empty` that re-ties), `init_normal` (layout- and
+device-independent normal init for `init_parameter`), `count_matmul_parameters` (the N of 6N FLOPs,
+with an active share per parameter for sparse models).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -82,6 +89,52 @@ class KVCache:
     def advance(self, n: int) -> None:
         """Called by the model once per forward, after every layer has updated."""
         self.length += n
+
+
+class TiedWeightsMixin:
+    """For a model module (listed before `nn.Module` in its bases) whose `tied_parameters` pairs share
+    one Parameter: `tie_weights()` makes each pair one Parameter, and `to_empty` (which unties them,
+    as the engine's meta -> real step calls it) ties them again."""
+
+    tied_parameters: list[tuple[str, str]]
+
+    def tie_weights(self) -> None:
+        """Make each pair in `tied_parameters` one Parameter: the second name gets the first's."""
+        for source, target in self.tied_parameters:
+            src_mod, _, src_name = source.rpartition(".")
+            dst_mod, _, dst_name = target.rpartition(".")
+            setattr(self.get_submodule(dst_mod), dst_name, getattr(self.get_submodule(src_mod), src_name))  # type: ignore[attr-defined]
+
+    def to_empty(self, *, device: Any, recurse: bool = True):
+        super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]
+        self.tie_weights()
+        return self
+
+
+def init_normal(tensor: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """Fill `tensor` with normal(0, std) values drawn in float32 on the generator's device, so that
+    every device and dtype gets the same values from the same generator (for `init_parameter`)."""
+    values = torch.empty(tensor.shape, dtype=torch.float32, device=generator.device)
+    values.normal_(0.0, std, generator=generator)
+    tensor.data.copy_(values)
+
+
+def count_matmul_parameters(
+    model: nn.Module, lookup_tables: Iterable[str] = (), weight: Callable[[str], float] | None = None
+) -> float:
+    """Parameters a token multiplies with (the N of the 6N FLOPs estimate): every parameter name but
+    the `lookup_tables` (embeddings: indexed, not multiplied), a tied pair counted under both names
+    (the output head is a real matmul even when it shares the embedding). `weight(name)` scales a
+    parameter's count, e.g. k/E for the experts of a top-k router (only the active ones compute).
+
+    Call it in the model's `__init__`, before an engine shards anything."""
+    skip = set(lookup_tables)
+    total: float = 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in skip:
+            continue
+        total += p.numel() if weight is None else p.numel() * weight(name)
+    return total
 
 
 def check_model(model: nn.Module, model_type: str) -> None:

@@ -142,7 +142,9 @@ def run_summary(trainer: Trainer) -> str:
         f"nanocore {nanocore.__version__} | run {trainer.run_name!r} (id {trainer.run_id}) | {start}",
         *([f"overrides: {', '.join(trainer.overrides)}"] if trainer.overrides else []),
         "plugins: " + "; ".join(plugins_in_use(trainer)),
-        f"layout: {engine.world_size} process(es) = dp {par.dp} x tp {par.tp} x pp {par.pp} | pp_engine {par.pp_engine}, "
+        f"layout: {engine.world_size} process(es) = dp {par.dp} x tp {par.tp} x pp {par.pp}"
+        f"{f' (experts over ep {par.expert_parallel_size} of dp)' if par.expert_parallel_size > 1 else ''}"
+        f" | pp_engine {par.pp_engine}, "
         f"{par.pp_virtual_stages} virtual stage(s) | tp_mode {par.tp_mode if par.tp > 1 else '-'} | ZeRO "
         f"{cfg.optimizer.zero_stage} | {engine.device.type}, {str(engine.dtype).removeprefix('torch.')}",
         f"model: {cfg.model.model_type}, {_count(total_params)} parameters; per rank {spread}",

@@ -71,7 +71,7 @@ IGNORED: dict[str, dict[str, Ignored]] = {
             "again in backward, the plain ones keep it",
             quiet=NO_QUIET_VALUE,
         ),
-        "moe_layer_recompute": Ignored("no mixture-of-experts layers", quiet=(False,)),
+        "moe_layer_recompute": Ignored("MoE layers are recomputed with their decoder layer (recompute_layer)", quiet=(False,)),
         "context_parallel_size": Ignored("no context parallelism: dp x tp x pp is the number of processes", quiet=(1,)),
     },
     "model.init_method": {

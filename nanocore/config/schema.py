@@ -66,7 +66,9 @@ class ParallelismArgs:
     pp_virtual_stages: int = doc("Model chunks per pipeline rank (interleaved schedules).", default=1)
     tp_mode: str = doc("Tensor-parallel mode plugin: ALL_REDUCE or REDUCE_SCATTER (sequence parallel).", default="ALL_REDUCE")
     tp_linear_async_communication: bool = doc("Overlap TP communication with the matmul.", default=False)
-    expert_parallel_size: int = doc("Expert-parallel ranks (needs a plugin that provides experts).", default=1)
+    expert_parallel_size: int = doc(
+        "Ranks the experts of a mixture-of-experts model are split over, taken from dp (must divide dp).", default=1
+    )
     recompute_layer: bool = doc("Activation checkpointing per decoder layer.", default=False)
     collective_timeout_seconds: float = doc(
         "A collective (all-reduce, send/recv, barrier) that waits longer than this ends the job with an error "

@@ -88,11 +88,11 @@ def from_hf(
     nullable = ("bos_token_id", "eos_token_id")
     c = {**HF_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None or k in nullable}}
     problems = _unsupported(c)
-    theta, scaling = _rope(c)
+    theta, scaling = read_rope(c)
     fields = {key: c[key] for key in SAME_FIELDS}
     fields["num_key_value_heads"] = c["num_key_value_heads"]
-    fields["bos_token_id"] = _single_id(c, "bos_token_id")
-    fields["eos_token_id"] = _single_id(c, "eos_token_id")
+    fields["bos_token_id"] = read_token_id(c, "bos_token_id")
+    fields["eos_token_id"] = read_token_id(c, "eos_token_id")
     config = LlamaConfig(**fields, rope_theta=float(theta), rope_scaling=scaling)
     if not problems:
         problems = config.problems()
@@ -120,7 +120,7 @@ def _unsupported(c: dict[str, Any]) -> list[str]:
     return p
 
 
-def _rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def read_rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either transformers 4 keys or transformers 5's `rope_parameters`."""
     params = c.get("rope_parameters")
     if isinstance(params, dict):
@@ -135,7 +135,7 @@ def _rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, (scaling if kind != "default" else None)
 
 
-def _single_id(c: dict[str, Any], key: str) -> int:
+def read_token_id(c: dict[str, Any], key: str) -> int:
     """nanocore keeps one token id; LLaMA 3.1 lists several end-of-sequence ids (the first is kept)."""
     value = c[key]
     if isinstance(value, list):

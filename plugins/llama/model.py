@@ -8,13 +8,14 @@ and only knows parameters, so rotary tables are computed from the config on firs
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanocore.model_api import KVCache
+from nanocore.model_api import KVCache, TiedWeightsMixin, count_matmul_parameters, init_normal
 from nanocore_plugins.llama.config import LlamaConfig
 
 try:  # optional fast path on GPUs
@@ -153,9 +154,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)) (SwiGLU with silu)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, intermediate_size: int | None = None):
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
+        h, i = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
@@ -166,12 +167,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). One pipeline block; one tensor in, one out."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). One pipeline block; one tensor in, one out.
 
-    def __init__(self, config: LlamaConfig, layer_idx: int, rotary: Rotary):
+    `mlp` replaces the dense `LlamaMLP` (Mixtral's sparse mixture-of-experts block)."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int, rotary: Rotary, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, rotary)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -181,18 +184,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (transformers' `model.` prefix)."""
+    """Embedding, decoder layers and final norm (transformers' `model.` prefix). `make_mlp(layer_idx)`,
+    if given, builds each layer's MLP."""
 
-    def __init__(self, config: LlamaConfig, vocab_size: int):
+    def __init__(self, config: LlamaConfig, vocab_size: int, make_mlp: Callable[[int], nn.Module] | None = None):
         super().__init__()
         rotary = Rotary(config)
         self.embed_tokens = nn.Embedding(vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary, make_mlp(i) if make_mlp is not None else None)
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
-    """LLaMA causal LM: `forward(input_ids, kv_cache=None) -> logits[b, s, vocab_size]`."""
+class LlamaForCausalLM(TiedWeightsMixin, nn.Module):
+    """LLaMA causal LM: `forward(input_ids, kv_cache=None) -> logits[b, s, vocab_size]`.
+
+    Subclasses change the MLP through `make_mlp` (called once per layer while building)."""
 
     def __init__(
         self, config: LlamaConfig, *, init_std: float = 0.02, scale_output_init: bool = True, vocab_multiple: int = 1
@@ -203,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = -(-config.vocab_size // vocab_multiple) * vocab_multiple
         self.init_std = init_std
         self.scale_output_init = scale_output_init
-        self.model = LlamaModel(config, self.vocab_size)
+        self.model = LlamaModel(config, self.vocab_size, self.make_mlp)
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_size, bias=False)
         # Rows of these past true_vocab_size are padding (vocab_multiple): never saved in checkpoints.
         self.vocab_parameters = ["model.embed_tokens.weight", "lm_head.weight"]
@@ -225,22 +234,15 @@ class LlamaForCausalLM(nn.Module):
         }
         # Counted now, before an engine shards anything: every parameter but the input embedding
         # (the output head counts even when tied, since it is a real matmul).
-        embed = self.model.embed_tokens.weight.numel()
-        self._matmul_params = sum(p.numel() for p in self.parameters()) - embed
-        if config.tie_word_embeddings:
-            self._matmul_params += self.lm_head.weight.numel()
+        self._matmul_params = count_matmul_parameters(self, ["model.embed_tokens.weight"], self.active_fraction)
 
-    def tie_weights(self) -> None:
-        """Make each pair in `tied_parameters` one Parameter (`Module.to_empty` unties them)."""
-        for source, target in self.tied_parameters:
-            src_mod, _, src_name = source.rpartition(".")
-            dst_mod, _, dst_name = target.rpartition(".")
-            setattr(self.get_submodule(dst_mod), dst_name, getattr(self.get_submodule(src_mod), src_name))
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s MLP (called while `__init__` builds the layers; `self.config` is set)."""
+        return LlamaMLP(self.config)
 
-    def to_empty(self, *, device: Any, recurse: bool = True) -> LlamaForCausalLM:
-        super().to_empty(device=device, recurse=recurse)
-        self.tie_weights()
-        return self
+    def active_fraction(self, name: str) -> float:
+        """The share of parameter `name` a token computes with, for the FLOPs estimate (all of it here)."""
+        return 1
 
     def pipeline_blocks(self) -> list[list[str]]:
         layers = [[f"model.layers.{i}"] for i in range(len(self.model.layers))]
@@ -267,10 +269,7 @@ class LlamaForCausalLM(nn.Module):
         std = self.init_std
         if self.scale_output_init and name.endswith(("o_proj.weight", "down_proj.weight")):
             std /= math.sqrt(2 * self.config.num_hidden_layers)
-        # Drawn in float32 on the generator's device, so every device and dtype gets the same values.
-        values = torch.empty(tensor.shape, dtype=torch.float32, device=generator.device)
-        values.normal_(0.0, std, generator=generator)
-        tensor.data.copy_(values)
+        init_normal(tensor, std, generator)
 
     def flops_per_token(self, sequence_length: int) -> float:
         """Training FLOPs per token (nanoGPT / PaLM estimate): 6N + 12 * layers * hidden * seq."""

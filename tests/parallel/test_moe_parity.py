@@ -54,6 +54,11 @@ LAYOUTS = {
     "ep2_tp2_all_reduce": (layout(dp=2, tp=2, expert_parallel_size=2, tp_mode="ALL_REDUCE"), {}),
     "ep2_tp2_reduce_scatter": (layout(dp=2, tp=2, expert_parallel_size=2, tp_mode="REDUCE_SCATTER"), {}),
     "ep2_pp2_1f1b": (layout(dp=2, pp=2, expert_parallel_size=2, pp_engine="1f1b"), {}),
+    # recomputation re-runs the MoE forwards (and their collectives) inside backward: nothing counted twice
+    "ep2_pp2_afab_recompute": (
+        layout(dp=2, pp=2, expert_parallel_size=2, pp_engine="afab", recompute_layer=True, tp_mode="ALL_REDUCE"),
+        {},
+    ),
     "ep4_dp4_zero1": (layout(dp=4, expert_parallel_size=4), {"optimizer": {"zero_stage": 1}}),
     "dp2_tp2_pp2_ep2_interleaved_zero1": (
         layout(

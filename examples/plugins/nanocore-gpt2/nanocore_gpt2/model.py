@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanocore.model_api import KVCache
+from nanocore.model_api import KVCache, TiedWeightsMixin, count_matmul_parameters, init_normal
 from nanocore_gpt2.config import GPT2Config
 
 ACT_FNS = {
@@ -128,7 +128,7 @@ class GPT2Transformer(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(TiedWeightsMixin, nn.Module):
     """GPT-2 causal LM: `forward(input_ids, kv_cache=None) -> logits[b, s, vocab_size]`."""
 
     def __init__(
@@ -162,23 +162,8 @@ class GPT2LMHeadModel(nn.Module):
         }
         # Counted now, before an engine shards anything: every parameter but the two lookup tables
         # (the output head counts even when tied, since it is a real matmul).
-        emb = self.transformer.embeddings
-        self._matmul_params = sum(p.numel() for p in self.parameters()) - emb.wte.weight.numel()
-        self._matmul_params -= emb.wpe.weight.numel()
-        if config.tie_word_embeddings:
-            self._matmul_params += self.lm_head.weight.numel()
-
-    def tie_weights(self) -> None:
-        """Make each pair in `tied_parameters` one Parameter (`Module.to_empty` unties them)."""
-        for source, target in self.tied_parameters:
-            src_mod, _, src_name = source.rpartition(".")
-            dst_mod, _, dst_name = target.rpartition(".")
-            setattr(self.get_submodule(dst_mod), dst_name, getattr(self.get_submodule(src_mod), src_name))
-
-    def to_empty(self, *, device: Any, recurse: bool = True) -> GPT2LMHeadModel:
-        super().to_empty(device=device, recurse=recurse)
-        self.tie_weights()
-        return self
+        lookup_tables = ["transformer.embeddings.wte.weight", "transformer.embeddings.wpe.weight"]
+        self._matmul_params = count_matmul_parameters(self, lookup_tables)
 
     def pipeline_blocks(self) -> list[list[str]]:
         blocks = [[f"transformer.h.{i}"] for i in range(len(self.transformer.h))]
@@ -207,10 +192,7 @@ class GPT2LMHeadModel(nn.Module):
         std = self.init_std
         if self.scale_output_init and name.endswith("c_proj.weight"):
             std /= math.sqrt(2 * self.config.n_layer)
-        # Drawn in float32 on the generator's device, so every device and dtype gets the same values.
-        values = torch.empty(tensor.shape, dtype=torch.float32, device=generator.device)
-        values.normal_(0.0, std, generator=generator)
-        tensor.data.copy_(values)
+        init_normal(tensor, std, generator)
 
     def flops_per_token(self, sequence_length: int) -> float:
         """Training FLOPs per token (nanoGPT's estimate): 6N + 12 * layers * n_embd * seq."""

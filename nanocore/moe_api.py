@@ -145,8 +145,9 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> t
         except RuntimeError:  # not supported on this GPU: fall back to one matmul per expert
             pass
     parts = []
-    for e, part in enumerate(torch.split(x, counts, dim=0)):
-        parts.append(part @ weight[e].t())
+    # unbind, not weight[e]: indexing's backward would build a zero [experts, out, in] gradient per expert
+    for part, w in zip(torch.split(x, counts, dim=0), weight.unbind(0), strict=True):
+        parts.append(part @ w.t())
     if not parts:
         return x.new_empty((0, weight.shape[1]))
     return torch.cat(parts, dim=0)

@@ -53,16 +53,13 @@ HF_DEFAULTS: dict[str, Any] = {
 SAME_FIELDS = [k for k in HF_DEFAULTS if k not in ("num_key_value_heads", "bos_token_id", "eos_token_id", "rope_theta")]
 
 
-def to_hf(config: LlamaConfig, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """nanocore config + full tensors (true vocabulary, as `nanocore.convert.checkpoint_state` reads
-    them) -> transformers config.json + state dict."""
-    problems = config.problems()
-    if problems:
-        raise ConfigError([f"model.model_config.{p}" for p in problems])
-    hf_config: dict[str, Any] = {
-        "architectures": list(ARCHITECTURES),
-        "model_type": "llama",
-        **{key: getattr(config, key) for key in SAME_FIELDS},
+def hf_config_fields(config: LlamaConfig, model_type: str, architectures, same_fields: list[str]) -> dict[str, Any]:
+    """The config.json fields LLaMA-family models share (Mixtral's too): `same_fields` copied one to
+    one, then the ones named or computed differently."""
+    return {
+        "architectures": list(architectures),
+        "model_type": model_type,
+        **{key: getattr(config, key) for key in same_fields},
         "num_key_value_heads": config.kv_heads,
         "head_dim": config.head_dim,
         "bos_token_id": config.bos_token_id,
@@ -70,8 +67,17 @@ def to_hf(config: LlamaConfig, state: dict[str, torch.Tensor]) -> tuple[dict[str
         "rope_theta": config.rope_theta,
         "rope_scaling": dict(config.rope_scaling) if config.rope_scaling else None,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
     }
+
+
+def to_hf(config: LlamaConfig, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """nanocore config + full tensors (true vocabulary, as `nanocore.convert.checkpoint_state` reads
+    them) -> transformers config.json + state dict."""
+    problems = config.problems()
+    if problems:
+        raise ConfigError([f"model.model_config.{p}" for p in problems])
+    hf_config = hf_config_fields(config, "llama", ARCHITECTURES, SAME_FIELDS)
+    hf_config["mlp_bias"] = False
     hf_state: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if name == HEAD and config.tie_word_embeddings:

@@ -21,7 +21,7 @@ import torch
 
 from nanocore.errors import ConfigError
 from nanocore_plugins.llama.config import MixtralConfig
-from nanocore_plugins.llama.hf import HEAD, IGNORED_SUFFIXES, read_rope, read_token_id
+from nanocore_plugins.llama.hf import HEAD, IGNORED_SUFFIXES, hf_config_fields, read_rope, read_token_id
 
 log = logging.getLogger("nanocore")
 
@@ -78,19 +78,8 @@ def to_hf(config: MixtralConfig, state: dict[str, torch.Tensor]) -> tuple[dict[s
         problems.append("attention_bias: transformers' MixtralForCausalLM has no attention biases")
     if problems:
         raise ConfigError([f"model.model_config.{p}" for p in problems])
-    hf_config: dict[str, Any] = {
-        "architectures": list(ARCHITECTURES),
-        "model_type": "mixtral",
-        **{key: getattr(config, key) for key in SAME_FIELDS},
-        "num_key_value_heads": config.kv_heads,
-        "head_dim": config.head_dim,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": dict(config.rope_scaling) if config.rope_scaling else None,
-        "attention_dropout": 0.0,
-        "router_jitter_noise": 0.0,
-    }
+    hf_config = hf_config_fields(config, "mixtral", ARCHITECTURES, SAME_FIELDS)
+    hf_config["router_jitter_noise"] = 0.0
     if config.router_z_loss_coef:
         hf_config[Z_LOSS_KEY] = config.router_z_loss_coef
     hf_state = {name: t for name, t in state.items() if not (name == HEAD and config.tie_word_embeddings)}

@@ -1,0 +1,253 @@
+"""Context parallelism: each sequence split over `cp` ranks, attention as a ring (the engine's
+`nanocore.sequence_api.SequenceRuntime`).
+
+Chunking ("zigzag", as Megatron-LM and torchtitan balance causal attention): a sequence of s tokens
+is cut into 2·cp chunks of s/(2·cp); rank r holds chunks r and 2·cp-1-r, in that order. Under a
+causal mask the early chunk attends to little and the late one to much, so every rank has the same
+attention work.
+
+Ring attention: each rank keeps its queries; key/value blocks (k and v stacked, one message) travel
+round the ring r -> r+1, cp-1 hops. At step i rank r holds the keys of rank j = r - i and computes
+only what the causal mask leaves: its whole block at i = 0 (causal inside), its queries against j's
+early chunk when j < r, its late chunk's queries against all of j's keys when j > r (half a block
+each). Each step's partial outputs merge exactly through their log-sum-exp. The next block's
+transfer is posted before the current block's compute and waited for after it, so they overlap.
+
+Backward goes round the ring the same way: the key/value blocks travel again, and next to them the
+gradient accumulators of the keys and values being visited (each rank adds its part and passes
+them on); after cp hops each rank holds its own keys' and values' gradients. Query gradients stay
+home. Saved for backward: this rank's q, k, v, output and log-sum-exp only (O(s/cp)).
+
+Document masking composes: every rank knows the document ids of the whole sequence (all CP ranks
+read the same samples), so the mask of any block is built locally from global token indices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from nanocore.sequence_api import document_attention, document_ids, document_positions
+
+_KV_TAG, _GRAD_TAG = 1, 2
+
+
+def zigzag_index(sequence_length: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """The global indices of the tokens context-parallel rank `cp_rank` holds, in its order."""
+    chunk = sequence_length // (2 * cp)
+    early = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    late = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk, device=device)
+    return torch.cat([early, late])
+
+
+@attrs.define
+class Layout:
+    """One micro-batch's layout on this rank."""
+
+    index: torch.Tensor  # [L] global indices of the local tokens
+    positions: torch.Tensor  # [b or 1, L] rotary positions
+    docs: torch.Tensor | None  # [b, s] document ids of the whole sequence (document masking), else None
+
+
+class ContextParallel:
+    """`SequenceRuntime` for context parallelism (cp >= 1) and/or document masking.
+
+    `ranks` are the global ranks of this rank's context-parallel group in cp-rank order; `separator`
+    is the end-of-document token id under document masking (None: off)."""
+
+    def __init__(self, group, cp: int, cp_rank: int, ranks: list[int], separator: int | None = None):
+        self.group, self.cp, self.cp_rank, self.ranks = group, cp, cp_rank, ranks
+        self.separator = separator
+        self.layout: Layout | None = None
+
+    def prepare(self, input_ids: torch.Tensor) -> Layout:
+        """The layout of a micro-batch's input ids [b, s] (the whole sequence) on this rank."""
+        s = input_ids.shape[1]
+        index = zigzag_index(s, self.cp, self.cp_rank, input_ids.device)
+        if self.separator is None:
+            return Layout(index, index[None], None)
+        docs = document_ids(input_ids, self.separator)
+        return Layout(index, document_positions(docs)[:, index], docs)
+
+    def shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a [b, s, ...] tensor (dim 1 is the sequence)."""
+        if self.cp == 1:
+            return t
+        return t.index_select(1, zigzag_index(t.shape[1], self.cp, self.cp_rank, t.device))
+
+    # -- SequenceRuntime ------------------------------------------------------------------
+    def positions(self) -> torch.Tensor:
+        assert self.layout is not None, "context parallel runtime used outside a micro-batch"
+        return self.layout.positions
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        layout = self.layout
+        assert layout is not None, "context parallel runtime used outside a micro-batch"
+        if self.cp == 1:
+            return document_attention(q, k, v, layout.docs)
+        return RingAttention.apply(q, k, v, self, layout)
+
+    # -- the ring -------------------------------------------------------------------------
+    def exchange(self, tensor: torch.Tensor, tag: int) -> tuple[list, torch.Tensor]:
+        """Send `tensor` to the next rank of the ring and receive the previous rank's into a new
+        tensor; returns the pending works and the receive buffer."""
+        nxt = self.ranks[(self.cp_rank + 1) % self.cp]
+        prv = self.ranks[(self.cp_rank - 1) % self.cp]
+        received = torch.empty_like(tensor)
+        ops = [
+            dist.P2POp(dist.isend, tensor, nxt, self.group, tag),
+            dist.P2POp(dist.irecv, received, prv, self.group, tag),
+        ]
+        return dist.batch_isend_irecv(ops), received
+
+    def block(self, layout: Layout, step: int) -> tuple[slice, slice, torch.Tensor | None]:
+        """At ring step `step` (holding the keys of rank j = r - step): the local query rows and key
+        rows that the causal mask leaves, and the mask among them (None: all allowed)."""
+        r, cp = self.cp_rank, self.cp
+        j = (r - step) % cp
+        half = layout.index.numel() // 2
+        if j == r:
+            rows, cols = slice(None), slice(None)
+        elif j < r:
+            rows, cols = slice(None), slice(0, half)
+        else:
+            rows, cols = slice(half, None), slice(None)
+        q_index = layout.index[rows]
+        k_index = zigzag_index(2 * cp * half, cp, j, q_index.device)[cols]
+        mask = None
+        if j == r:
+            mask = (q_index[:, None] >= k_index[None, :])[None]  # [1, Lq, Lk]
+        if layout.docs is not None:
+            same = layout.docs[:, q_index][:, :, None] == layout.docs[:, k_index][:, None, :]
+            mask = same if mask is None else mask & same
+        return rows, cols, mask
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, h, L, d] -> [b, kv_heads, (h / kv_heads) * L, d]: each kv head's query heads as extra rows."""
+    b, h, length, d = q.shape
+    return q.reshape(b, kv_heads, (h // kv_heads) * length, d)
+
+
+def _ungrouped(x: torch.Tensor, heads: int) -> torch.Tensor:
+    b, kv_heads, rows, d = x.shape
+    return x.reshape(b, heads, rows * kv_heads // heads, d)
+
+
+def _expand_mask(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None:
+    """[B, Lq, Lk] -> [B, 1, groups * Lq, Lk], matching `_grouped` rows."""
+    return None if mask is None else mask[:, None].repeat(1, 1, groups, 1)
+
+
+def _block_forward(q, k, v, mask, scale):
+    """Attention of grouped queries over one key block, in float32: (out, lse); rows with no allowed
+    key get out 0 and lse -inf."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = lse.masked_fill(torch.isinf(lse), 0.0)
+    out = torch.matmul(torch.exp(scores - safe[..., None]), v)
+    return out, lse
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, runtime: ContextParallel, layout: Layout):
+        heads, kv_heads = q.shape[1], k.shape[1]
+        groups = heads // kv_heads
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qg = _grouped(q.float(), kv_heads)
+        b, _, rows_total, d = qg.shape
+        out = torch.zeros_like(qg)
+        lse = torch.full((b, kv_heads, rows_total), float("-inf"), dtype=torch.float32, device=q.device)
+        length = q.shape[2]
+        kv = torch.stack([k, v])
+        for step in range(runtime.cp):
+            if step < runtime.cp - 1:
+                works, kv_next = runtime.exchange(kv, _KV_TAG)
+            rows, cols, mask = runtime.block(layout, step)
+            row_index = _row_index(rows, length, groups, q.device)
+            kb, vb = kv[0][:, :, cols].float(), kv[1][:, :, cols].float()
+            q_rows = qg if row_index is None else qg.index_select(2, row_index)
+            o_blk, l_blk = _block_forward(q_rows, kb, vb, _expand_mask(mask, groups), scale)
+            if row_index is None:
+                new = torch.logaddexp(lse, l_blk)
+                out = out * torch.exp(lse - new)[..., None] + o_blk * torch.exp(l_blk - new)[..., None]
+                lse = new
+            else:
+                old_l, old_o = lse.index_select(2, row_index), out.index_select(2, row_index)
+                new = torch.logaddexp(old_l, l_blk)
+                merged = old_o * torch.exp(old_l - new)[..., None] + o_blk * torch.exp(l_blk - new)[..., None]
+                out = out.index_copy(2, row_index, merged)
+                lse = lse.index_copy(2, row_index, new)
+            if step < runtime.cp - 1:
+                for work in works:
+                    work.wait()
+                kv = kv_next
+        result = _ungrouped(out, heads).to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.runtime, ctx.layout, ctx.scale = runtime, layout, scale
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        runtime, layout, scale = ctx.runtime, ctx.layout, ctx.scale
+        heads, kv_heads = q.shape[1], k.shape[1]
+        groups, length = heads // kv_heads, q.shape[2]
+        qg = _grouped(q.float(), kv_heads)
+        dout = _grouped(grad_out.float(), kv_heads)
+        delta = (dout * _grouped(out.float(), kv_heads)).sum(-1)  # [b, kv_heads, rows]
+        dq = torch.zeros_like(qg)
+        kv = torch.stack([k, v])
+        pending = None
+        for step in range(runtime.cp):
+            if step < runtime.cp - 1:
+                works, kv_next = runtime.exchange(kv, _KV_TAG)
+            rows, cols, mask = runtime.block(layout, step)
+            row_index = _row_index(rows, length, groups, q.device)
+            kb, vb = kv[0][:, :, cols].float(), kv[1][:, :, cols].float()
+            pick = (lambda t: t) if row_index is None else (lambda t: t.index_select(2, row_index))
+            q_rows, do_rows, l_rows, d_rows = pick(qg), pick(dout), pick(lse), pick(delta)
+            scores = torch.matmul(q_rows, kb.transpose(-1, -2)) * scale
+            m = _expand_mask(mask, groups)
+            if m is not None:
+                scores = scores.masked_fill(~m, float("-inf"))
+            p = torch.exp(scores - l_rows[..., None])
+            dv_blk = torch.matmul(p.transpose(-1, -2), do_rows)
+            ds = p * (torch.matmul(do_rows, vb.transpose(-1, -2)) - d_rows[..., None])
+            dq_rows = torch.matmul(ds, kb) * scale
+            dk_blk = torch.matmul(ds.transpose(-1, -2), q_rows) * scale
+            if row_index is None:
+                dq += dq_rows
+            else:
+                dq.index_add_(2, row_index, dq_rows)
+            dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+            dkv[0][:, :, cols] = dk_blk
+            dkv[1][:, :, cols] = dv_blk
+            if pending is not None:
+                for work in pending[0]:
+                    work.wait()
+                dkv += pending[1]
+            pending = runtime.exchange(dkv, _GRAD_TAG)  # on to the next rank; the last hop reaches the owner
+            if step < runtime.cp - 1:
+                for work in works:
+                    work.wait()
+                kv = kv_next
+        for work in pending[0]:
+            work.wait()
+        dkv = pending[1]
+        return _ungrouped(dq, heads).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def _row_index(rows: slice, length: int, groups: int, device) -> torch.Tensor | None:
+    """Rows of the grouped query matrix ([groups * length], group-major) that `rows` (a slice of the
+    `length` local positions) selects; None for all."""
+    if rows == slice(None):
+        return None
+    positions = torch.arange(length, device=device)[rows]
+    return (torch.arange(groups, device=device)[:, None] * length + positions[None]).reshape(-1)

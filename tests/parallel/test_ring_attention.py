@@ -1,0 +1,85 @@
+"""Ring attention (context parallelism) equals one-process causal attention: outputs and gradients of
+q, k and v, float32, with grouped-query heads and with document masking, at cp 2 and 4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nanocore.sequence_api import document_attention, document_ids, repeat_kv
+from nanocore_plugins.parallel3d.context_parallel import ContextParallel, zigzag_index
+from tests.helpers.compare import rel_diff
+from tests.helpers.distributed import run_ranks
+
+pytestmark = pytest.mark.slow
+
+B, HEADS, KV_HEADS, S, D = 2, 4, 2, 32, 8
+SEPARATOR = 9
+
+
+def inputs(docs: bool):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, HEADS, S, D, generator=g)
+    k = torch.randn(B, KV_HEADS, S, D, generator=g)
+    v = torch.randn(B, KV_HEADS, S, D, generator=g)
+    dout = torch.randn(B, HEADS, S, D, generator=g)
+    ids = torch.randint(0, 8, (B, S), generator=g)
+    if docs:  # documents of different lengths, one of them crossing every chunk boundary
+        ids[0, [3, 4, 20]] = SEPARATOR
+        ids[1, [14, 30]] = SEPARATOR
+    return q, k, v, dout, ids
+
+
+def reference(docs: bool):
+    q, k, v, dout, ids = inputs(docs)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    if docs:
+        out = document_attention(q, k, v, document_ids(ids, SEPARATOR))
+    else:
+        kr, vr = repeat_kv(q, k, v)
+        out = F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _ring(rank, world_size, docs):
+    q, k, v, dout, ids = inputs(docs)
+    ranks = list(range(world_size))
+    runtime = ContextParallel(dist.group.WORLD, world_size, rank, ranks, SEPARATOR if docs else None)
+    runtime.layout = runtime.prepare(ids)
+    local = [runtime.shard(t.transpose(1, 2)).transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+    out = runtime.attend(*local)
+    out.backward(runtime.shard(dout.transpose(1, 2)).transpose(1, 2))
+    return {"out": out.detach(), "grads": [t.grad for t in local], "index": zigzag_index(S, world_size, rank)}
+
+
+def _assemble(results, index_key="index"):
+    out = torch.zeros(B, HEADS, S, D)
+    grads = [torch.zeros(B, HEADS, S, D), torch.zeros(B, KV_HEADS, S, D), torch.zeros(B, KV_HEADS, S, D)]
+    for r in results:
+        out[:, :, r[index_key]] = r["out"]
+        for full, part in zip(grads, r["grads"], strict=True):
+            full[:, :, r[index_key]] = part
+    return out, grads
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+def test_ring_attention_equals_one_process(cp, docs):
+    out, grads = _assemble(run_ranks(cp, _ring, docs))
+    ref_out, *ref_grads = reference(docs)
+    assert rel_diff(out, ref_out) <= 1e-5
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        assert rel_diff(got, want) <= 1e-5, name
+
+
+def test_zigzag_chunks_cover_the_sequence_once_and_balance_causal_work():
+    cp = 4
+    held = [zigzag_index(S, cp, r) for r in range(cp)]
+    assert torch.equal(torch.sort(torch.cat(held)).values, torch.arange(S))
+    # causal work of a rank: sum over its queries of the keys they see (position + 1)
+    work = [int((index + 1).sum()) for index in held]
+    assert len(set(work)) == 1, work
+    assert held[1].tolist() == [4, 5, 6, 7, 24, 25, 26, 27]

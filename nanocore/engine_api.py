@@ -33,12 +33,15 @@ class Engine(Protocol):
 
     rank: int
     world_size: int
-    dp_rank: int
-    dp_size: int
+    dp_rank: int  # which share of each global batch this rank reads (ranks that split a sequence share one)
+    dp_size: int  # how many shares the global batch is cut into
     device: torch.device
     dtype: torch.dtype  # the parameters' dtype (model.dtype resolved for the device)
     is_main: bool  # global rank 0: prints, logs and finalises checkpoints
     true_vocab_size: int  # the model's vocabulary before any padding (set by setup_model)
+
+    def set_document_separator(self, token_id: int) -> None:
+        """Under `tokens.document_masking`, called before `setup_model` with the end-of-document token."""
 
     def setup_model(self, entry: Entry, model_args: Any, seed: int) -> None:
         """Build the model on meta, parallelise it and materialise this rank's part of it."""

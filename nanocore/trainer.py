@@ -33,7 +33,7 @@ from nanocore.checkpoint.verify import verify_for_resume
 from nanocore.config import Config, unstructure_config
 from nanocore.config.load import LoadedConfig
 from nanocore.convert import init_reader, is_hf_folder
-from nanocore.data.build import build_tokenizer, check_vocab, stage_mixture
+from nanocore.data.build import build_tokenizer, check_vocab, document_separator, stage_mixture
 from nanocore.data.schedule import DataSchedule
 from nanocore.engine_api import Engine
 from nanocore.errors import NanocoreError, TrainingError, TrainingInterrupted, explain_collective_failure
@@ -79,6 +79,8 @@ class Trainer:
         cfg, engine = self.config, self.engine
         self.memory = MemoryMeter(engine.device)  # after start-up, before the run holds anything
         self.tokenizer = build_tokenizer(cfg.tokenizer, self.registries)
+        if cfg.tokens.document_masking:
+            engine.set_document_separator(document_separator(self.tokenizer))
         engine.setup_model(self.registries.model.get(cfg.model.model_type), cfg.model, cfg.general.seed)
         self.true_vocab_size = engine.true_vocab_size
         check_vocab(self.tokenizer, self.true_vocab_size)
@@ -217,7 +219,13 @@ class Trainer:
                     "format_version": FORMAT_VERSION,
                     "step": self.step,
                     "consumed_tokens": self.consumed_tokens,
-                    "topology": {"dp": par.dp, "tp": par.tp, "pp": par.pp, "world_size": engine.world_size},
+                    "topology": {
+                        "dp": par.dp,
+                        "tp": par.tp,
+                        "pp": par.pp,
+                        "cp": par.context_parallel_size,
+                        "world_size": engine.world_size,
+                    },
                     "data": self.data.state_dict(),
                     "lr_scheduler": self.lr_schedule.state_dict(),
                     "model_type": cfg.model.model_type,

@@ -29,15 +29,20 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
     """Raise one ConfigError listing every cross-field problem. `world_size=None` skips the launch check."""
     p: list[str] = []
     par, tok, opt = config.parallelism, config.tokens, config.optimizer
-    for key in ("dp", "tp", "pp", "pp_virtual_stages", "expert_parallel_size"):
+    for key in ("dp", "tp", "pp", "pp_virtual_stages", "expert_parallel_size", "context_parallel_size"):
         if getattr(par, key) < 1:
             p.append(f"parallelism.{key}: must be at least 1, got {getattr(par, key)}")
     if not par.collective_timeout_seconds > 0:
         p.append(f"parallelism.collective_timeout_seconds: must be positive, got {par.collective_timeout_seconds}")
-    if world_size is not None and par.dp * par.tp * par.pp != world_size:
+    cp = par.context_parallel_size
+    if world_size is not None and par.dp * par.tp * par.pp * cp != world_size:
+        if cp == 1:
+            layout = f"dp x tp x pp = {par.dp} x {par.tp} x {par.pp} = {par.dp * par.tp * par.pp}"
+        else:
+            layout = f"dp x cp x tp x pp = {par.dp} x {cp} x {par.tp} x {par.pp} = {par.dp * par.tp * par.pp * cp}"
         p.append(
-            f"parallelism: dp x tp x pp = {par.dp} x {par.tp} x {par.pp} = {par.dp * par.tp * par.pp} but the launch "
-            f"has {world_size} process(es); change the layout or torchrun --nproc_per_node"
+            f"parallelism: {layout} but the launch has {world_size} process(es); change the layout or torchrun "
+            "--nproc_per_node"
         )
     for key in ("sequence_length", "train_steps", "micro_batch_size", "batch_accumulation_per_replica"):
         if getattr(tok, key) < 1:

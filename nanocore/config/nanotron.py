@@ -72,7 +72,6 @@ IGNORED: dict[str, dict[str, Ignored]] = {
             quiet=NO_QUIET_VALUE,
         ),
         "moe_layer_recompute": Ignored("MoE layers are recomputed with their decoder layer (recompute_layer)", quiet=(False,)),
-        "context_parallel_size": Ignored("no context parallelism: dp x tp x pp is the number of processes", quiet=(1,)),
     },
     "model.init_method": {
         "use_mup": Ignored(
@@ -116,7 +115,9 @@ IGNORED: dict[str, dict[str, Ignored]] = {
         ),
         "vocab_size": Ignored("the model's vocabulary is model.model_config.vocab_size"),
         "dataset_read_path": Ignored("folders are read where dataset_folder says"),
-        "return_positions": Ignored("no document masking: positions run 0..sequence_length-1 in every sample"),
+        "return_positions": Ignored(
+            "positions are computed by the engine: tokens.document_masking: true restarts them at each document"
+        ),
         "skip_in_stream": Ignored("samples are indexed directly, never skipped in a stream", quiet=(None, False)),
         "pad_samples_to_global_batch_size": Ignored("every global batch is full", quiet=(None, False)),
         "dataset_max_tokens": Ignored("every token of each folder is used"),

@@ -67,7 +67,12 @@ class ParallelismArgs:
     tp_mode: str = doc("Tensor-parallel mode plugin: ALL_REDUCE or REDUCE_SCATTER (sequence parallel).", default="ALL_REDUCE")
     tp_linear_async_communication: bool = doc("Overlap TP communication with the matmul.", default=False)
     expert_parallel_size: int = doc(
-        "Ranks the experts of a mixture-of-experts model are split over, taken from dp (must divide dp).", default=1
+        "Ranks the experts of a mixture-of-experts model are split over, taken from dp x cp (must divide it).",
+        default=1,
+    )
+    context_parallel_size: int = doc(
+        "Ranks each sequence is split over (context parallelism, ring attention); the model must declare support.",
+        default=1,
     )
     recompute_layer: bool = doc("Activation checkpointing per decoder layer.", default=False)
     collective_timeout_seconds: float = doc(
@@ -117,6 +122,11 @@ class TokensArgs:
     batch_accumulation_per_replica: int = doc("Micro-batches per step per replica.", default=1)
     val_check_interval: int = doc("Validate every N steps (-1 or 0 = never).", default=-1)
     limit_val_batches: int = doc("Global batches per validation pass.", default=0)
+    document_masking: bool = doc(
+        "Packed samples: attention never crosses an end-of-document token and rotary positions restart at each "
+        "document (the tokenizer's eos_token_id ends a document).",
+        default=False,
+    )
 
     @property
     def global_batch_size_per_replica(self) -> int:

@@ -28,6 +28,21 @@ def build_tokenizer(args: TokenizerArgs, registries: Registries) -> Tokenizer | 
     return registries.tokenizer.get(kind).factory(name)
 
 
+def document_separator(tokenizer: Tokenizer | None) -> int:
+    """The token that ends a document, for `tokens.document_masking`: the tokenizer's eos_token_id."""
+    if tokenizer is None:
+        raise ConfigError(
+            "tokens.document_masking: documents end with the tokenizer's eos_token_id, but there is no tokenizer "
+            "(tokenizer.tokenizer_name_or_path is null); set a tokenizer or turn document_masking off"
+        )
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(
+            f"tokens.document_masking: the tokenizer {tokenizer!r} has no eos_token_id, so documents cannot be "
+            "told apart; use a tokenizer with an end-of-document token or turn document_masking off"
+        )
+    return int(tokenizer.eos_token_id)
+
+
 def check_vocab(tokenizer: Tokenizer | None, model_vocab_size: int) -> None:
     if tokenizer is not None and tokenizer.vocab_size > model_vocab_size:
         raise DataError(

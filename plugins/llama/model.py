@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanocore.model_api import KVCache, TiedWeightsMixin, count_matmul_parameters, init_normal
+from nanocore.sequence_api import SequenceRuntime
 from nanocore_plugins.llama.config import LlamaConfig
 
 try:  # optional fast path on GPUs
@@ -61,6 +62,7 @@ class Rotary:
         with torch.device("cpu"):  # the model may be built under torch.device("meta")
             self.inv_freq = rope_inverse_frequencies(config)
         self.min_length = config.max_position_embeddings
+        self._last: tuple | None = None  # (positions, (device, dtype), cos, sin) of the last `at`
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, seq_len: int, offset: int, device: torch.device, dtype: torch.dtype):
@@ -75,6 +77,17 @@ class Rotary:
                 self._tables[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
         cos, sin = self._tables[key]
         return cos[offset:end], sin[offset:end]
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [b or 1, 1, s, head_dim] at explicit positions [b or 1, s] (context parallelism,
+        document masking). Every layer of a micro-batch asks for the same positions: computed once."""
+        key = (positions.device, dtype)
+        if self._last is not None and self._last[0] is positions and self._last[1] == key:
+            return self._last[2], self._last[3]
+        cos, sin = self.cos_sin(int(positions.max()) + 1, 0, positions.device, dtype)
+        cos, sin = cos[positions][:, None], sin[positions][:, None]
+        self._last = (positions, key, cos, sin)
+        return cos, sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -122,13 +135,21 @@ class LlamaRMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class SequenceSlot:
+    """The engine's `SequenceRuntime` (context parallelism, document masking), shared by every layer;
+    None: positions from shapes and plain causal attention."""
+
+    runtime: SequenceRuntime | None = None
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with rotary positions. Head counts come from tensor shapes."""
 
-    def __init__(self, config: LlamaConfig, layer_idx: int, rotary: Rotary):
+    def __init__(self, config: LlamaConfig, layer_idx: int, rotary: Rotary, sequence: SequenceSlot | None = None):
         super().__init__()
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.layer_idx, self.head_dim, self.rotary = layer_idx, d, rotary
+        self.sequence = sequence if sequence is not None else SequenceSlot()
         self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, config.kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, config.kv_heads * d, bias=bias)
@@ -142,6 +163,11 @@ class LlamaAttention(nn.Module):
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        runtime = self.sequence.runtime if kv_cache is None else None
+        if runtime is not None:  # this rank's tokens of a longer sequence, or packed documents
+            cos, sin = self.rotary.at(runtime.positions(), q.dtype)
+            out = runtime.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
         offset = kv_cache.length if kv_cache is not None else 0
         cos, sin = self.rotary.cos_sin(s, offset, x.device, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -171,9 +197,16 @@ class LlamaDecoderLayer(nn.Module):
 
     `mlp` replaces the dense `LlamaMLP` (Mixtral's sparse mixture-of-experts block)."""
 
-    def __init__(self, config: LlamaConfig, layer_idx: int, rotary: Rotary, mlp: nn.Module | None = None):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        layer_idx: int,
+        rotary: Rotary,
+        mlp: nn.Module | None = None,
+        sequence: SequenceSlot | None = None,
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, sequence)
         self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -190,9 +223,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig, vocab_size: int, make_mlp: Callable[[int], nn.Module] | None = None):
         super().__init__()
         rotary = Rotary(config)
+        self.sequence = SequenceSlot()
         self.embed_tokens = nn.Embedding(vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, make_mlp(i) if make_mlp is not None else None)
+            LlamaDecoderLayer(config, i, rotary, make_mlp(i) if make_mlp is not None else None, self.sequence)
             for i in range(config.num_hidden_layers)
         )
         self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -221,6 +255,9 @@ class LlamaForCausalLM(TiedWeightsMixin, nn.Module):
             self.tied_parameters = [("model.embed_tokens.weight", "lm_head.weight")]
             self.tie_weights()
         layers = "model.layers.*"
+        # What engines may do to the sequence (nanocore.sequence_api): split it over context-parallel
+        # ranks, mask attention between packed documents.
+        self.sequence_features = {"context_parallel", "document_masking"}
         self.tp_plan: dict[str, Any] = {
             "model.embed_tokens": "vocab_embedding",
             f"{layers}.self_attn.q_proj": "colwise",
@@ -235,6 +272,10 @@ class LlamaForCausalLM(TiedWeightsMixin, nn.Module):
         # Counted now, before an engine shards anything: every parameter but the input embedding
         # (the output head counts even when tied, since it is a real matmul).
         self._matmul_params = count_matmul_parameters(self, ["model.embed_tokens.weight"], self.active_fraction)
+
+    def set_sequence_runtime(self, runtime: SequenceRuntime | None) -> None:
+        """Attention asks `runtime` for positions and attends through it (see nanocore.sequence_api)."""
+        self.model.sequence.runtime = runtime
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
         """Layer `layer_idx`'s MLP (called while `__init__` builds the layers; `self.config` is set)."""

@@ -1,7 +1,7 @@
 """From a single-device model plugin to this rank's part of the model.
 
-Order (fixed, like torchtitan's): build on meta -> tensor parallel (swap modules by the TP plan)
--> expert parallel (keep this rank's experts of each MoE layer) -> pipeline cut (keep this rank's chunks) -> materialise (each parameter initialised as the *full*
+Order (fixed, like torchtitan's): build on meta (`meta_model`) -> tensor parallel (the engine
+applies the model's TP plan, `tensor_parallel.parallelize`) -> `build_local_model`: expert parallel (keep this rank's experts of each MoE layer) -> pipeline cut (keep this rank's chunks) -> materialise (each parameter initialised as the *full*
 tensor from a generator seeded by (seed, name), then sliced by its Placement) -> re-tie.
 
 The vocabulary is padded for this layout (`vocab_multiple`); the placements of the parameters the
@@ -77,9 +77,16 @@ def partition(blocks: list[list[str]], parts: int) -> list[list[list[str]]]:
     return [blocks[a:b] for a, b in reversed(bounds)]
 
 
+def meta_model(entry: Entry, model_args: Any, vocab_multiple: int) -> nn.Module:
+    """The model plugin's whole single-device model on the meta device (no memory), checked."""
+    with torch.device("meta"):
+        model = entry.factory(model_args, vocab_multiple=vocab_multiple)
+    check_model(model, entry.name)
+    return model
+
+
 def build_local_model(
-    entry: Entry,
-    model_args: Any,
+    model: nn.Module,
     *,
     seed: int,
     device: torch.device,
@@ -87,18 +94,12 @@ def build_local_model(
     pp_size: int,
     pp_rank: int,
     virtual_stages: int,
-    vocab_multiple: int,
-    parallelize_tp: Any = None,
     ep_size: int = 1,
     ep_rank: int = 0,
 ) -> LocalModel:
-    with torch.device("meta"):
-        model = entry.factory(model_args, vocab_multiple=vocab_multiple)
-    check_model(model, entry.name)
+    """This rank's part of `model` (a `meta_model`, tensor-parallel layers already swapped in)."""
     blocks = model.pipeline_blocks()
     tied = list(getattr(model, "tied_parameters", []))
-    if parallelize_tp is not None:
-        parallelize_tp(model)
     all_moe_layers = moe_layers(model)
     most_experts = max((int(model.get_submodule(n).num_experts) for n in all_moe_layers), default=0)
     shard_experts(model, ep_size, ep_rank)

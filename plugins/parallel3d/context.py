@@ -1,12 +1,20 @@
-"""The process grid: TP innermost (ranks of one node), then PP, then DP, with EP carved out of DP.
+"""The process grid: TP innermost (ranks of one node), then CP, then PP, then DP; EP carved out of DP x CP.
 
-global rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank
-dp_rank     = edp_rank * ep + ep_rank
+global rank = dp_rank * (pp * cp * tp) + pp_rank * (cp * tp) + cp_rank * tp + tp_rank
+dcp_rank    = dp_rank * cp + cp_rank          (the ranks that hold the same weights: "DP x CP")
+dcp_rank    = edp_rank * ep + ep_rank
 
-Expert parallelism splits the experts over `ep` consecutive data-parallel ranks (an expert-parallel
-group: same pp and tp rank, dp ranks edp*ep .. edp*ep + ep-1); tokens travel inside it by
+Context parallelism splits each sequence over `cp` ranks (same dp, pp and tp rank); key/value
+blocks travel round them in a ring. They hold the same weights and see different tokens, so for
+gradients, ZeRO sharding and the loss they count like data-parallel replicas: gradients are
+averaged over DP x CP (the `dcp` group). Data is read per dp rank: the cp ranks of one dp rank read
+the same samples and each keeps its chunks.
+
+Expert parallelism splits the experts over `ep` consecutive DP x CP ranks (an expert-parallel
+group: same pp and tp rank, dcp ranks edp*ep .. edp*ep + ep-1); tokens travel inside it by
 all-to-all. Ranks holding the same experts (same ep_rank, every edp) form the expert-data-parallel
-group, over which expert gradients are reduced; everything else is reduced over all of DP.
+group, over which expert gradients are reduced; everything else is reduced over all of DP x CP.
+With cp = 1 all of this is the 3D grid (DP x CP = DP).
 
 A `ParallelContext` is created once by the engine and passed explicitly; there is no global.
 """
@@ -44,9 +52,11 @@ class ParallelContext:
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.dp, self.tp, self.pp = par.dp, par.tp, par.pp
-        if self.dp * self.tp * self.pp != self.world_size:
+        self.cp = par.context_parallel_size
+        if self.dp * self.tp * self.pp * self.cp != self.world_size:
             raise ConfigError(
-                f"parallelism: dp x tp x pp = {self.dp * self.tp * self.pp} but {self.world_size} processes were launched"
+                f"parallelism: dp x cp x tp x pp = {self.dp * self.cp * self.tp * self.pp} but {self.world_size} "
+                "processes were launched"
             )
         if torch.cuda.is_available():
             torch.cuda.set_device(self.local_rank)
@@ -56,15 +66,18 @@ class ParallelContext:
             self.device = torch.device("cpu")
             self.backend = "gloo"
         self.tp_rank = self.rank % self.tp
-        self.pp_rank = (self.rank // self.tp) % self.pp
-        self.dp_rank = self.rank // (self.tp * self.pp)
+        self.cp_rank = (self.rank // self.tp) % self.cp
+        self.pp_rank = (self.rank // (self.tp * self.cp)) % self.pp
+        self.dp_rank = self.rank // (self.tp * self.cp * self.pp)
+        self.dcp, self.dcp_rank = self.dp * self.cp, self.dp_rank * self.cp + self.cp_rank
         self.ep = par.expert_parallel_size
-        if self.dp % self.ep:
-            raise ConfigError(f"parallelism.expert_parallel_size: {self.ep} must divide dp={self.dp}")
-        self.ep_rank, self.edp_rank, self.edp = self.dp_rank % self.ep, self.dp_rank // self.ep, self.dp // self.ep
+        if self.dcp % self.ep:
+            raise ConfigError(f"parallelism.expert_parallel_size: {self.ep} must divide dp x cp = {self.dcp}")
+        self.ep_rank, self.edp_rank, self.edp = self.dcp_rank % self.ep, self.dcp_rank // self.ep, self.dcp // self.ep
         self.distributed = self.world_size > 1
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.tied_group = None
-        self.ep_group = self.edp_group = None
+        self.ep_group = self.edp_group = self.cp_group = self.dcp_group = self.cp_tp_group = None
+        self.cp_group_ranks: list[int] = [self.rank]
         self.pp_group_ranks: list[int] = [self.rank]
         self.p2p_groups: tuple = (None, None)
         self._created: list[weakref.ref] = []  # every group this context made, to check they are gone at the end
@@ -85,8 +98,12 @@ class ParallelContext:
                 self.destroy()
                 raise
 
-    def global_rank(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
-        return dp_rank * self.pp * self.tp + pp_rank * self.tp + tp_rank
+    def global_rank(self, dp_rank: int, pp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return ((dp_rank * self.pp + pp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+
+    def dcp_global_rank(self, dcp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        """The global rank of DP x CP index `dcp_rank` (= dp_rank * cp + cp_rank)."""
+        return self.global_rank(dcp_rank // self.cp, pp_rank, tp_rank, dcp_rank % self.cp)
 
     def _make_groups(self) -> None:
         # Every rank must create every group in the same order (torch.distributed's rule).
@@ -96,13 +113,14 @@ class ParallelContext:
                 self._created.append(weakref.ref(g))
             return g
 
-        for d, p in product(range(self.dp), range(self.pp)):
-            ranks = [self.global_rank(d, p, t) for t in range(self.tp)]
+        dp, pp, tp, cp = range(self.dp), range(self.pp), range(self.tp), range(self.cp)
+        for d, p, c in product(dp, pp, cp):
+            ranks = [self.global_rank(d, p, t, c) for t in tp]
             g = group(ranks)
             if self.rank in ranks:
                 self.tp_group = g
-        for d, t in product(range(self.dp), range(self.tp)):
-            ranks = [self.global_rank(d, p, t) for p in range(self.pp)]
+        for d, c, t in product(dp, cp, tp):
+            ranks = [self.global_rank(d, p, t, c) for p in pp]
             g = group(ranks)
             # one communicator per direction: NCCL matches messages in posting order, and each
             # direction's messages are posted in a consistent order (tested per schedule)
@@ -115,29 +133,48 @@ class ParallelContext:
             tg = group(tied)
             if self.rank in tied:
                 self.tied_group = tg
-        for p, t in product(range(self.pp), range(self.tp)):
-            ranks = [self.global_rank(d, p, t) for d in range(self.dp)]
+        for p, c, t in product(pp, cp, tp):
+            ranks = [self.global_rank(d, p, t, c) for d in dp]
             g = group(ranks)
             if self.rank in ranks:
                 self.dp_group = g
-        for d in range(self.dp):
-            ranks = [self.global_rank(d, p, t) for p in range(self.pp) for t in range(self.tp)]
+        for d, c in product(dp, cp):
+            ranks = [self.global_rank(d, p, t, c) for p in pp for t in tp]
             g = group(ranks)
             if self.rank in ranks:
                 self.mp_group = g
+        if self.cp > 1:
+            for d, p, t in product(dp, pp, tp):
+                ranks = [self.global_rank(d, p, t, c) for c in cp]
+                g = group(ranks)
+                if self.rank in ranks:
+                    self.cp_group, self.cp_group_ranks = g, ranks
+            for p, t in product(pp, tp):
+                ranks = [self.dcp_global_rank(i, p, t) for i in range(self.dcp)]
+                g = group(ranks)
+                if self.rank in ranks:
+                    self.dcp_group = g
+            for d, p in product(dp, pp):  # every token of a micro-batch: its cp chunks and tp shards
+                ranks = [self.global_rank(d, p, t, c) for c in cp for t in tp]
+                g = group(ranks)
+                if self.rank in ranks:
+                    self.cp_tp_group = g
+        else:
+            self.dcp_group = self.dp_group
+            self.cp_tp_group = self.tp_group
         if self.ep > 1:
-            for p, t, e in product(range(self.pp), range(self.tp), range(self.edp)):
-                ranks = [self.global_rank(e * self.ep + r, p, t) for r in range(self.ep)]
+            for p, t, e in product(pp, tp, range(self.edp)):
+                ranks = [self.dcp_global_rank(e * self.ep + r, p, t) for r in range(self.ep)]
                 g = group(ranks)
                 if self.rank in ranks:
                     self.ep_group = g
-            for p, t, r in product(range(self.pp), range(self.tp), range(self.ep)):
-                ranks = [self.global_rank(e * self.ep + r, p, t) for e in range(self.edp)]
+            for p, t, r in product(pp, tp, range(self.ep)):
+                ranks = [self.dcp_global_rank(e * self.ep + r, p, t) for e in range(self.edp)]
                 g = group(ranks)
                 if self.rank in ranks:
                     self.edp_group = g
         else:
-            self.edp_group = self.dp_group
+            self.edp_group = self.dcp_group
         self.world_group = dist.group.WORLD
 
     def pp_peer(self, pp_rank: int) -> int:
@@ -172,7 +209,7 @@ class ParallelContext:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.tied_group = None
-        self.ep_group = self.edp_group = None
+        self.ep_group = self.edp_group = self.cp_group = self.dcp_group = self.cp_tp_group = None
         self.p2p_groups = (None, None)
         self.world_group = None
         gc.collect()

@@ -211,8 +211,7 @@ class RingAttention(torch.autograd.Function):
             rows, cols, mask = runtime.block(layout, step)
             row_index = _row_index(rows, length, groups, q.device)
             kb, vb = kv[0][:, :, cols].float(), kv[1][:, :, cols].float()
-            pick = (lambda t: t) if row_index is None else (lambda t: t.index_select(2, row_index))
-            q_rows, do_rows, l_rows, d_rows = pick(qg), pick(dout), pick(lse), pick(delta)
+            q_rows, do_rows, l_rows, d_rows = (_pick(t, row_index) for t in (qg, dout, lse, delta))
             scores = torch.matmul(q_rows, kb.transpose(-1, -2)) * scale
             m = _expand_mask(mask, groups)
             if m is not None:
@@ -242,6 +241,10 @@ class RingAttention(torch.autograd.Function):
             work.wait()
         dkv = pending[1]
         return _ungrouped(dq, heads).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def _pick(t: torch.Tensor, row_index: torch.Tensor | None) -> torch.Tensor:
+    return t if row_index is None else t.index_select(2, row_index)
 
 
 def _row_index(rows: slice, length: int, groups: int, device) -> torch.Tensor | None:

@@ -19,12 +19,16 @@ import torch.nn.functional as F
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
 from nanocore.config import Config
 from nanocore.engine_api import StepOutput, TrainableParam
+from nanocore.errors import PluginError
 from nanocore.moe_api import MoELayer
 from nanocore.registry import Entry, Registries
+from nanocore.sequence_api import sequence_features
 from nanocore.sharding import get_placement
+from nanocore.tp_api import TPMode
 
-from .build import LocalModel, build_local_model
+from .build import LocalModel, build_local_model, meta_model
 from .context import ParallelContext
+from .context_parallel import ContextParallel
 from .experts import ExpertParallel, is_expert
 from .grads import GradBuffers
 from .pipeline import PipelineExecutor
@@ -59,35 +63,42 @@ class Engine3D:
         self.is_main = ctx.rank == 0
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.schedule = registries.pp_engine.get(par.pp_engine).factory(config)
-        self.tp_mode = registries.tp_mode.get(par.tp_mode).factory() if par.tp > 1 else None
+        self.tp_mode: TPMode | None = None
+        if par.tp > 1:
+            self.tp_mode = registries.tp_mode.get(par.tp_mode).factory()
+            if not isinstance(self.tp_mode, TPMode):
+                raise PluginError(
+                    f"tp_mode {par.tp_mode!r} built {self.tp_mode!r}, which does not implement nanocore.tp_api.TPMode"
+                )
         self.local: LocalModel | None = None
         self.optimizer = None
+        self.document_separator: int | None = None
+        self.sequence: ContextParallel | None = None
         torch.manual_seed(config.general.seed + self.rank)
 
     # -- model ----------------------------------------------------------------------------
+    def set_document_separator(self, token_id: int | None) -> None:
+        """The end-of-document token for `tokens.document_masking` (the trainer passes the tokenizer's)."""
+        self.document_separator = token_id
+
     def setup_model(self, entry: Entry, model_args: Any, seed: int) -> None:
         ctx, par = self.ctx, self.config.parallelism
-        parallelize = None
+        model = meta_model(entry, model_args, vocab_multiple=model_args.make_vocab_size_divisible_by * ctx.tp)
         if ctx.tp > 1:
-
-            def parallelize(model):
-                tp_parallelize(model, model.tp_plan, ctx.tp_group, self.tp_mode, par.tp_linear_async_communication)
-
+            tp_parallelize(model, model.tp_plan, ctx.tp_group, self.tp_mode, par.tp_linear_async_communication)
         self.local = build_local_model(
-            entry,
-            model_args,
+            model,
             seed=seed,
             device=self.device,
             dtype=self.dtype,
             pp_size=ctx.pp,
             pp_rank=ctx.pp_rank,
             virtual_stages=par.pp_virtual_stages,
-            vocab_multiple=model_args.make_vocab_size_divisible_by * ctx.tp,
-            parallelize_tp=parallelize,
             ep_size=ctx.ep,
             ep_rank=ctx.ep_rank,
         )
         self.model = self.local.module
+        self._setup_sequence(entry.name)
         self._setup_experts()
         self.true_vocab_size = self.local.true_vocab_size
         with torch.device("meta"):  # the whole single-device model, for FLOPs per token
@@ -101,12 +112,37 @@ class Engine3D:
             dtype=self.dtype,
             recompute=par.recompute_layer,
             on_final_backward=self.grads.final_backward,
+            sequence=self.sequence,
         )
+
+    def _setup_sequence(self, model_type: str) -> None:
+        """Context parallelism and document masking: hand the model the ring-attention runtime."""
+        ctx, masking = self.ctx, self.config.tokens.document_masking
+        if ctx.cp == 1 and not masking:
+            return
+        needed = ({"context_parallel"} if ctx.cp > 1 else set()) | ({"document_masking"} if masking else set())
+        missing = needed - sequence_features(self.model)
+        if missing or not hasattr(self.model, "set_sequence_runtime"):
+            raise PluginError(
+                f"model type {model_type!r} does not declare {', '.join(sorted(missing or needed))} in "
+                "sequence_features with set_sequence_runtime (see nanocore.sequence_api)"
+            )
+        if masking and self.document_separator is None:
+            raise PluginError("tokens.document_masking needs the end-of-document token id (set_document_separator)")
+        separator = self.document_separator if masking else None
+        self.sequence = ContextParallel(ctx.cp_group, ctx.cp, ctx.cp_rank, ctx.cp_group_ranks, separator)
+        self.model.set_sequence_runtime(self.sequence)
 
     def _setup_experts(self) -> None:
         """Hand every local MoE layer the expert-parallel runtime (all-to-all over the EP group)."""
         ctx = self.ctx
-        token_group = ctx.tp_group if self.tp_mode is not None and self.tp_mode.sequence_parallel else None
+        # the ranks holding other tokens of a micro-batch: its cp chunks, and its tp shards under sequence parallelism
+        sequence_parallel = self.tp_mode is not None and self.tp_mode.sequence_parallel
+        token_group = None
+        if ctx.cp > 1:
+            token_group = ctx.cp_tp_group if sequence_parallel else ctx.cp_group
+        elif sequence_parallel:
+            token_group = ctx.tp_group
         self.runtime = ExpertParallel(ctx.ep_group, ctx.ep, ctx.ep_rank, token_group=token_group)
         self.moe_local: dict[int, MoELayer] = {}  # index among the model's MoE layers -> local layer
         for index, name in enumerate(self.local.moe_layers):
@@ -118,6 +154,7 @@ class Engine3D:
                 layer.set_runtime(self.runtime)
                 self.moe_local[index] = layer
         self.edp = DPInfo(ctx.edp_group, ctx.edp_rank, ctx.edp)
+        self.dcp = DPInfo(ctx.dcp_group, ctx.dcp_rank, ctx.dcp)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.ctx.tp > 1:
@@ -146,9 +183,9 @@ class Engine3D:
             dtype=torch.float32 if accumulate_fp32 else self.dtype,
             device=self.device,
             bucket_bytes=self.config.model.ddp_bucket_cap_mb * 2**20,
-            dp_group=ctx.dp_group,
-            dp_size=ctx.dp,
-            replica_group=lambda p: (ctx.edp_group, ctx.edp) if is_expert(p) else (ctx.dp_group, ctx.dp),
+            dp_group=ctx.dcp_group,  # context-parallel ranks hold the same weights: they count as replicas
+            dp_size=ctx.dcp,
+            replica_group=lambda p: (ctx.edp_group, ctx.edp) if is_expert(p) else (ctx.dcp_group, ctx.dcp),
         )
         self.tied_split = self._tied_local()
         self.writer = self._writers(dict(self.model.named_parameters()))
@@ -162,7 +199,7 @@ class Engine3D:
 
     def _writes_model(self, param: torch.nn.Parameter, writer: bool) -> bool:
         """Whether this rank saves the piece: a writer, on the first rank of its data-parallel replicas."""
-        return writer and (self.ctx.edp_rank if is_expert(param) else self.dp_rank) == 0
+        return writer and (self.ctx.edp_rank if is_expert(param) else self.ctx.dcp_rank) == 0
 
     # -- optimizer ------------------------------------------------------------------------
     def setup_optimizer(self, optimizer: Entry, zero: Entry, optimizer_args: Any) -> None:
@@ -198,27 +235,28 @@ class Engine3D:
                 device=self.device,
             )
 
-        self.optimizer = zero.factory(
-            trainables, build_optimizer, DPInfo(self.ctx.dp_group, self.dp_rank, self.dp_size)
-        )
+        self.optimizer = zero.factory(trainables, build_optimizer, self.dcp)
 
     # -- steps ----------------------------------------------------------------------------
     def _global_mean(self, local_sum: torch.Tensor) -> float:
-        """Loss from the last stage (tp rank 0), averaged over DP, on every rank."""
+        """Loss from the last stage (tp rank 0), averaged over DP x CP (each cp rank's is the mean over its
+        equal share of the tokens), on every rank."""
         ctx = self.ctx
         if not ctx.distributed:
             return float(local_sum)
         value = local_sum.detach().float().clone()
         if not (ctx.is_last_stage and ctx.tp_rank == 0):
             value.zero_()
-        value /= ctx.dp
+        value /= ctx.dcp
         dist.all_reduce(value)
         return float(value)
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepOutput:
         self.model.train()
         self.grads.start_step()
-        self.runtime.grad_scale = 1.0 / len(micro_batches)  # auxiliary losses: the mean over micro-batches
+        # auxiliary losses: the mean over micro-batches. Each cp rank back-propagates the micro-batch's
+        # loss through its own tokens only and DP x CP averages, so each gets cp times the weight.
+        self.runtime.grad_scale = self.ctx.cp / len(micro_batches)
         local = self.executor.run(micro_batches, train=True)
         self.grads.finish()
         if self.ctx.tp > 1:  # sequence-parallel replicated params, kv heads shared by several ranks
@@ -253,7 +291,7 @@ class Engine3D:
         rows: dict[int, torch.Tensor] = {}
         for index, layer in self.moe_local.items():
             stats = layer.pop_statistics()
-            if stats is None or ctx.tp_rank != 0:  # TP ranks hold the same statistics (summed over shards)
+            if stats is None or ctx.tp_rank != 0 or ctx.cp_rank != 0:  # TP and CP ranks hold the same (summed) statistics
                 continue
             row = torch.zeros(experts + 5, dtype=torch.float64)
             row[: int(layer.num_experts)] = stats.tokens_per_expert.detach().to("cpu", torch.float64)
@@ -379,7 +417,7 @@ class Engine3D:
             self.grads.close()
         held = (
             "model", "local", "executor", "grads", "optimizer", "trainables", "frozen", "tied_split", "tp_mode",
-            "_flops_model", "runtime", "moe_local", "edp",
+            "_flops_model", "runtime", "moe_local", "edp", "dcp", "sequence",
         )
         for name in held:
             if hasattr(self, name):

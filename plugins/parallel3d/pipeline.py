@@ -18,6 +18,7 @@ from nanocore.pipeline_api import Action, PipelineSchedule
 
 from .build import LocalModel
 from .context import ParallelContext
+from .context_parallel import ContextParallel
 
 _HEADER = 8  # ndim + up to 7 dims
 
@@ -77,8 +78,10 @@ class PipelineExecutor:
         dtype: torch.dtype,
         recompute: bool,
         on_final_backward: Callable[[int | None], None] = lambda chunk: None,
+        sequence: ContextParallel | None = None,
     ):
         self.ctx, self.local, self.schedule, self.loss_fn = ctx, local, schedule, loss_fn
+        self.sequence = sequence  # context parallelism / document masking: this rank's tokens and their layout
         self.recompute = recompute
         self.on_final_backward = on_final_backward
         self.p2p = P2P(ctx, dtype)
@@ -108,10 +111,23 @@ class PipelineExecutor:
 
     def run(self, micro_batches: list[torch.Tensor], train: bool) -> torch.Tensor:
         """Run one step's actions; returns the sum of this rank's microbatch losses / M (0 off the last stage)."""
-        m_count = len(micro_batches)
         device = self.ctx.device
         inputs = [mb[:, :-1].to(device, non_blocking=True) for mb in micro_batches]
         labels = [mb[:, 1:].to(device, non_blocking=True) for mb in micro_batches]
+        sequence, layouts = self.sequence, []
+        if sequence is not None:  # every cp rank read the whole samples; each keeps its chunks
+            layouts = [sequence.prepare(x) for x in inputs]
+            inputs = [sequence.shard(x) for x in inputs]
+            labels = [sequence.shard(y) for y in labels]
+        try:
+            return self._run(inputs, labels, layouts, train)
+        finally:
+            if sequence is not None:
+                sequence.layout = None
+
+    def _run(self, inputs: list, labels: list, layouts: list, train: bool) -> torch.Tensor:
+        m_count = len(inputs)
+        device = self.ctx.device
         total = torch.zeros((), dtype=torch.float32, device=device)
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         actions = self.actions(m_count)
@@ -124,6 +140,8 @@ class PipelineExecutor:
         for i, action in enumerate(actions):
             c, m = action.chunk, action.microbatch
             stage = self.local.chunk_ids[c]
+            if layouts:  # read by attention in forward, and in backward where recomputation runs it again
+                self.sequence.layout = layouts[m]
             if action.kind == "F":
                 if stage == 0:
                     x = inputs[m]

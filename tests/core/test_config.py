@@ -305,6 +305,7 @@ def test_config_command_prints_every_default(tmp_path, capsys):
         "tp_mode": "ALL_REDUCE",
         "tp_linear_async_communication": False,
         "expert_parallel_size": 1,
+        "context_parallel_size": 1,
         "recompute_layer": False,
         "collective_timeout_seconds": 600.0,
         "engine": "3d",

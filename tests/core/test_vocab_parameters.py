@@ -20,7 +20,7 @@ from nanocore.model_api import check_model, vocab_parameters, whole_placement
 from nanocore.plugins import load_plugins
 from nanocore.sharding import Placement, get_placement
 from nanocore_plugins.llama.config import LlamaConfig
-from nanocore_plugins.parallel3d.build import build_local_model
+from nanocore_plugins.parallel3d.build import build_local_model, meta_model
 from tests.helpers.training import TINY_MODEL, run_training, tiny_config
 
 LLAMA = {k: v for k, v in TINY_MODEL.items() if k != "model_type"}
@@ -30,15 +30,13 @@ LLAMA = {k: v for k, v in TINY_MODEL.items() if k != "model_type"}
 def test_one_process_marks_the_padding_of_the_declared_parameters(tied):
     args = ModelArgs(model_config=LlamaConfig(**{**LLAMA, "vocab_size": 61, "tie_word_embeddings": tied}))
     local = build_local_model(
-        load_plugins().registries.model.get("llama"),
-        args,
+        meta_model(load_plugins().registries.model.get("llama"), args, vocab_multiple=8),
         seed=1,
         device=torch.device("cpu"),
         dtype=torch.float32,
         pp_size=1,
         pp_rank=0,
         virtual_stages=1,
-        vocab_multiple=8,
     )
     padded = {}
     for name, param in local.module.named_parameters(remove_duplicate=False):

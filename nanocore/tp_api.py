@@ -32,14 +32,24 @@ class TPMode(Protocol):
     sequence_parallel: bool  # activations between blocks are sharded along dim 1 over the TP group
 
     def column_linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, async_communication: bool = False
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: Group,
+        async_communication: bool = False,
     ) -> torch.Tensor:
         """`weight` holds this rank's output rows; `x` is the layer input as it flows between blocks in
         this mode. Returns this rank's output columns for the whole (gathered) sequence."""
         ...
 
     def row_linear(
-        self, x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, async_communication: bool = False
+        self,
+        x_local: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: Group,
+        async_communication: bool = False,
     ) -> torch.Tensor:
         """`weight` holds this rank's input columns; `bias` is replicated and added once, after the
         reduction. Returns the output as it flows between blocks in this mode."""

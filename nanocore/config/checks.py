@@ -11,6 +11,7 @@ from typing import Any
 from nanocore.config.schema import Config
 from nanocore.errors import ConfigError
 from nanocore.registry import Entry, Registries
+from nanocore.tp_api import TPMode
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WARMUP_STYLES = ("linear", "constant")
@@ -47,15 +48,24 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
     for key in ("sequence_length", "train_steps", "micro_batch_size", "batch_accumulation_per_replica"):
         if getattr(tok, key) < 1:
             p.append(f"tokens.{key}: must be at least 1, got {getattr(tok, key)}")
+    if tok.document_masking and config.tokenizer.tokenizer_name_or_path is None:
+        p.append(
+            "tokens.document_masking: documents end with the tokenizer's eos_token_id, but there is no tokenizer "
+            "(tokenizer.tokenizer_name_or_path is null); set one (e.g. byte) or turn document_masking off"
+        )
     if config.model.dtype not in DTYPES:
         p.append(f"model.dtype: expected one of {', '.join(DTYPES)}, got {config.model.dtype!r}")
     if config.model.make_vocab_size_divisible_by < 1:
         p.append("model.make_vocab_size_divisible_by: must be at least 1")
     lr = opt.learning_rate_scheduler
     if lr.lr_warmup_style not in WARMUP_STYLES:
-        p.append(f"optimizer.learning_rate_scheduler.lr_warmup_style: expected linear or constant, got {lr.lr_warmup_style!r}")
+        p.append(
+            f"optimizer.learning_rate_scheduler.lr_warmup_style: expected linear or constant, got {lr.lr_warmup_style!r}"
+        )
     if lr.lr_decay_style not in registries.lr_decay:
-        p.append(f"optimizer.learning_rate_scheduler.lr_decay_style: {registries.lr_decay.unknown_message(lr.lr_decay_style)}")
+        p.append(
+            f"optimizer.learning_rate_scheduler.lr_decay_style: {registries.lr_decay.unknown_message(lr.lr_decay_style)}"
+        )
     if lr.learning_rate < 0 or lr.min_decay_lr < 0 or lr.min_decay_lr > lr.learning_rate:
         p.append("optimizer.learning_rate_scheduler: need 0 <= min_decay_lr <= learning_rate")
     if opt.clip_grad is not None and opt.clip_grad <= 0:
@@ -77,12 +87,22 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
     p += _plugin_checks("parallelism", None, schedule, config)
     tp_mode = lookup("tp_mode", par.tp_mode, "parallelism.tp_mode")
     p += _plugin_checks("parallelism", None, tp_mode, config)
+    if tp_mode is not None and par.tp > 1:
+        mode = tp_mode.factory()
+        missing = [
+            a
+            for a in ("name", "sequence_parallel", "column_linear", "row_linear", "after_embedding")
+            if not hasattr(mode, a)
+        ]
+        if missing or not isinstance(mode, TPMode):
+            p.append(
+                f"parallelism.tp_mode: {par.tp_mode!r} (plugin {tp_mode.plugin}) builds {mode!r}, which lacks "
+                f"{', '.join(missing) or 'the TPMode interface'}; a TP mode implements nanocore.tp_api.TPMode"
+            )
     zero = registries.zero_stage
     if str(opt.zero_stage) not in zero:
         installed = ", ".join(zero.names()) or "none"
-        p.append(
-            f"optimizer.zero_stage: no plugin provides ZeRO stage {opt.zero_stage}; installed stages: {installed}"
-        )
+        p.append(f"optimizer.zero_stage: no plugin provides ZeRO stage {opt.zero_stage}; installed stages: {installed}")
     model = registries.model.get(config.model.model_type)
     p += _plugin_checks("model.model_config", config.model.model_config, model, config)
     if engine is not None and "check_model" in engine.extras and not p:

@@ -7,19 +7,30 @@ import torch
 from nanocore import hookimpl
 from nanocore.config import Config
 from nanocore.moe_api import moe_layers
+from nanocore.sequence_api import sequence_features
 
 from .engine import Engine3D
 
 
 def check(config: Config, _args: object, registries=None) -> list[str]:
     par, problems = config.parallelism, []
-    ep = par.expert_parallel_size
+    ep, cp = par.expert_parallel_size, par.context_parallel_size
     if ep < 1:
         problems.append(f"parallelism.expert_parallel_size: {ep} must be at least 1")
-    elif par.dp % ep:
+    elif cp >= 1 and (par.dp * cp) % ep:
+        where = (
+            f"parallelism.dp={par.dp}" if cp == 1 else f"dp x context_parallel_size = {par.dp} x {cp} = {par.dp * cp}"
+        )
         problems.append(
-            f"parallelism.expert_parallel_size: {ep} must divide parallelism.dp={par.dp} (expert-parallel "
-            "ranks are data-parallel ranks: each holds 1/ep of the experts and its own share of the batch)"
+            f"parallelism.expert_parallel_size: {ep} must divide {where} (expert-parallel ranks are data-parallel "
+            "ranks: each holds 1/ep of the experts and its own share of the batch)"
+        )
+    seq = config.tokens.sequence_length
+    if cp > 1 and seq % (2 * cp):
+        problems.append(
+            f"tokens.sequence_length: context parallelism cuts each sequence into 2 x context_parallel_size = "
+            f"{2 * cp} equal chunks (rank r holds chunks r and {2 * cp - 1}-r, which balances causal attention), so "
+            f"sequence_length must be divisible by {2 * cp}; got {seq}"
         )
     return problems
 
@@ -28,8 +39,8 @@ def check_blocks(config: Config, model_entry) -> list[str]:
     """Checks that need the model itself (built on the meta device): pipeline blocks and experts."""
     par = config.parallelism
     chunks = par.pp * par.pp_virtual_stages
-    ep = par.expert_parallel_size
-    if chunks <= 1 and ep <= 1:
+    ep, cp, masking = par.expert_parallel_size, par.context_parallel_size, config.tokens.document_masking
+    if chunks <= 1 and ep <= 1 and cp <= 1 and not masking:
         return []
     try:
         with torch.device("meta"):
@@ -42,6 +53,18 @@ def check_blocks(config: Config, model_entry) -> list[str]:
         problems.append(
             f"parallelism: pp x pp_virtual_stages = {chunks} pipeline chunks but the model has only {blocks} "
             "pipeline blocks (embedding, each decoder layer, head); add layers or lower pp / pp_virtual_stages"
+        )
+    features = sequence_features(model)
+    if cp > 1 and "context_parallel" not in features:
+        problems.append(
+            f"parallelism.context_parallel_size: {cp} needs a model that declares context parallelism, but model "
+            f"type {config.model.model_type!r} does not (it lists {sorted(features) or 'nothing'} in "
+            "sequence_features; see nanocore.sequence_api); set it to 1"
+        )
+    if masking and "document_masking" not in features:
+        problems.append(
+            f"tokens.document_masking: model type {config.model.model_type!r} does not declare document masking "
+            "in sequence_features (see nanocore.sequence_api); set it to false"
         )
     if ep > 1:
         layers = moe_layers(model)

@@ -4,7 +4,7 @@ The model declares a TP plan (`nanocore.model_api`); `parallelize` replaces each
 `nn.Linear` / `nn.Embedding` in place, keeping the attribute names `weight` / `bias` so parameter
 names stay those of the single-device model, and marks each new parameter with its `Placement`.
 The layers hold weights only; how activations travel (ALL_REDUCE or REDUCE_SCATTER) is the TP
-mode's business (`nanocore_plugins.tp_modes.modes.TPMode`), so a new mode needs no new layers.
+mode's business (`nanocore.tp_api.TPMode`, implemented by TP-mode plugins), so a new mode needs no new layers.
 
 After every backward, `tp_grad_sync(model, group)` adds up the gradients that TP leaves partial.
 The loss is computed from vocab-sharded logits by `vocab_parallel_cross_entropy`.
@@ -23,8 +23,8 @@ from torch import nn
 
 from nanocore.errors import ConfigError, PluginError
 from nanocore.sharding import Placement, set_placement
+from nanocore.tp_api import Group, TPMode
 
-Group = dist.ProcessGroup | None
 STYLES = ("colwise", "rowwise", "colwise_kv", "vocab_embedding", "lm_head")
 
 
@@ -67,7 +67,7 @@ class ColumnParallelLinear(nn.Module):
         full_out_features: int,
         out_start: int,
         group: Group,
-        tp_mode: Any,
+        tp_mode: TPMode,
         async_communication: bool = False,
         replicas: int = 1,
     ):
@@ -121,7 +121,7 @@ class RowParallelLinear(nn.Module):
         full_in_features: int,
         in_start: int,
         group: Group,
-        tp_mode: Any,
+        tp_mode: TPMode,
         async_communication: bool = False,
     ):
         super().__init__()
@@ -161,7 +161,7 @@ class VocabParallelEmbedding(nn.Module):
         full_num_embeddings: int,
         vocab_start: int,
         group: Group,
-        tp_mode: Any,
+        tp_mode: TPMode,
         padding_idx: int | None = None,
     ):
         super().__init__()
@@ -230,7 +230,7 @@ def _kv_rows(linear: nn.Linear, options: dict, tp: int, rank: int, name: str) ->
 
 
 def parallelize(
-    model: nn.Module, tp_plan: dict[str, Any], group: Group, tp_mode: Any, async_communication: bool = False
+    model: nn.Module, tp_plan: dict[str, Any], group: Group, tp_mode: TPMode, async_communication: bool = False
 ) -> None:
     """Replace, in place, every module of `model` matched by `tp_plan` with its parallel version.
 
@@ -288,7 +288,7 @@ def parallelize(
             )
 
 
-def set_tp_mode(model: nn.Module, tp_mode: Any) -> None:
+def set_tp_mode(model: nn.Module, tp_mode: TPMode) -> None:
     """Switch every TP layer to another mode (e.g. ALL_REDUCE for generation, where one new token
     cannot be split along the sequence)."""
     for module in model.modules():
@@ -303,7 +303,7 @@ def _partial_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[Colu
     for m in layers:
         if isinstance(m, RowParallelLinear) and m.bias is not None:
             sharded.discard(id(m.bias))  # replicated and added after the reduce-scatter: partial
-    sequence_parallel = any(getattr(m.tp_mode, "sequence_parallel", False) for m in layers)
+    sequence_parallel = any(m.tp_mode.sequence_parallel for m in layers)
     partial = [p for p in model.parameters() if id(p) not in sharded] if sequence_parallel else []
     kv = [m for m in layers if isinstance(m, ColumnParallelLinear) and m.replicas > 1]
     return partial, kv

@@ -2,7 +2,8 @@
 
 A mode decides how activations travel between the parallel layers of
 `nanocore_plugins.parallel3d.tensor_parallel`; the layers hold only weights and call the mode.
-A third-party mode registers any object with the same attributes as `TPMode`.
+The contract is the core's `nanocore.tp_api.TPMode`; a third-party mode registers any object that
+implements it.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from nanocore.tp_api import Group
 from nanocore_plugins.tp_modes.comm import group_size
 from nanocore_plugins.tp_modes.functions import (
     ColumnLinearOverlapped,
@@ -22,8 +23,6 @@ from nanocore_plugins.tp_modes.functions import (
     ReduceScatterToSequence,
     SequenceParallelColumnLinearOverlapped,
 )
-
-Group = dist.ProcessGroup | None
 
 
 class _SharedInput:
@@ -58,36 +57,8 @@ class _SharedInput:
         return result
 
 
-class TPMode:
-    """The interface the tensor-parallel layers use. `group=None` or a group of one means no TP.
-
-    - `sequence_parallel`: activations between layers are sharded along dim 1 (the sequence), so
-      replicated parameters see only part of the tokens and their gradients must be summed over TP.
-    - `column_linear(x, weight, bias, group, async_communication) -> y_local`: `weight` holds this
-      rank's output rows; `x` is the layer input as it flows between blocks in this mode.
-    - `row_linear(x_local, weight, bias, group, async_communication) -> y`: `weight` holds this rank's
-      input columns; `bias` is replicated and added once, after the reduction.
-    - `after_embedding(y_partial, group) -> y`: combines the vocab-parallel embedding's partial rows.
-    """
-
-    name = "?"
-    sequence_parallel = False
-
-    def column_linear(self, x, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
-        raise NotImplementedError
-
-    def row_linear(self, x_local, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
-        raise NotImplementedError
-
-    def after_embedding(self, y_partial: torch.Tensor, group: Group) -> torch.Tensor:
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-class _CollectiveMode(TPMode):
-    """Both built-in modes share the layer arithmetic and differ only in their collectives:
+class _CollectiveMode:
+    """A `nanocore.tp_api.TPMode`. Both built-in modes share the layer arithmetic and differ only in their collectives:
     `_input_op` before a column-parallel matmul, `_overlapped_column` for its async form, and
     `_output_op` after a row-parallel matmul or the vocab-parallel embedding."""
 
@@ -95,8 +66,14 @@ class _CollectiveMode(TPMode):
     _overlapped_column: type[torch.autograd.Function]
     _output_op: type[torch.autograd.Function]
 
+    name = "?"
+    sequence_parallel = False
+
     def __init__(self) -> None:
         self._shared = _SharedInput()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
     def column_linear(self, x, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
         if group_size(group) == 1:

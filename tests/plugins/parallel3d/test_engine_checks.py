@@ -112,3 +112,91 @@ def test_unknown_schedule_and_tp_mode_list_installed(registries, tmp_path):
     message = problems(registries, tmp_path, parallelism={"pp_engine": "zb", "tp_mode": "RING"})
     assert "unknown pp engine 'zb'" in message and "1f1b, afab, interleaved" in message
     assert "unknown tp mode 'RING'" in message and "ALL_REDUCE, REDUCE_SCATTER" in message
+
+
+# -- context parallelism and document masking ------------------------------------------------------
+
+
+def test_context_parallel_needs_a_sequence_that_splits_into_2cp_chunks(registries, tmp_path):
+    message = problems(registries, tmp_path, parallelism={"context_parallel_size": 3}, world_size=3)
+    assert "tokens.sequence_length: context parallelism cuts each sequence into 2 x context_parallel_size = 6" in message
+    assert "got 16" in message
+
+
+def test_context_parallel_with_sequence_parallel_needs_cp_times_tp(registries, tmp_path):
+    message = problems(
+        registries,
+        tmp_path,
+        parallelism={"context_parallel_size": 2, "tp": 4, "tp_mode": "REDUCE_SCATTER"},
+        tokens={"sequence_length": 20},
+        world_size=8,
+    )
+    assert "sequence_length / context_parallel_size = 10 tokens over tp=4" in message
+    assert "divisible by cp x tp = 8; got 20" in message
+
+
+def test_the_launch_counts_context_parallel_ranks(registries, tmp_path):
+    message = problems(registries, tmp_path, parallelism={"dp": 2, "context_parallel_size": 2}, world_size=2)
+    assert "dp x cp x tp x pp = 2 x 2 x 1 x 1 = 4 but the launch has 2 process(es)" in message
+
+
+def test_context_parallel_size_below_one(registries, tmp_path):
+    message = problems(registries, tmp_path, parallelism={"context_parallel_size": 0})
+    assert "parallelism.context_parallel_size: must be at least 1, got 0" in message
+
+
+def test_expert_parallel_must_divide_dp_times_cp(registries, tmp_path):
+    message = problems(
+        registries,
+        tmp_path,
+        model=mixtral(),
+        parallelism={"dp": 1, "context_parallel_size": 2, "expert_parallel_size": 4},
+        world_size=2,
+    )
+    assert "parallelism.expert_parallel_size: 4 must divide dp x context_parallel_size = 1 x 2 = 2" in message
+
+
+def test_context_parallel_and_document_masking_need_a_model_that_declares_them(registries, tmp_path):
+    from tests.plugins.third_party.packages import gpt2_config, require
+
+    require("nanocore-gpt2")
+    config = gpt2_config(tmp_path, {}, parallelism={"context_parallel_size": 2})
+    config["tokens"]["document_masking"] = True
+    config["tokenizer"] = {"tokenizer_name_or_path": "byte"}
+    config["model"]["model_config"]["vocab_size"] = 257
+    with pytest.raises(ConfigError) as err:
+        check_config(structure_config(config, registries), registries, 2)
+    message = str(err.value)
+    assert "parallelism.context_parallel_size: 2 needs a model that declares context parallelism" in message
+    assert "model type 'gpt2' does not" in message
+    assert "tokens.document_masking: model type 'gpt2' does not declare document masking" in message
+
+
+def test_document_masking_needs_a_tokenizer(registries, tmp_path):
+    message = problems(registries, tmp_path, tokens={"document_masking": True})
+    assert "tokens.document_masking: documents end with the tokenizer's eos_token_id, but there is no tokenizer" in message
+
+
+def test_a_tp_mode_must_implement_the_core_contract(tmp_path):
+    from nanocore import hookimpl
+
+    class Incomplete:  # no row_linear, no after_embedding
+        name = "HALF"
+        sequence_parallel = False
+
+        def column_linear(self, x, weight, bias, group, async_communication=False):
+            return x
+
+    class Plugin:
+        @hookimpl
+        def register_tp_modes(self, registry):
+            registry.register("HALF", Incomplete)
+
+    plugins = load_plugins()
+    plugins.register_object(Plugin(), "half_tp_mode")
+    registries = plugins.registries
+    config = structure_config(tiny_config(tmp_path, parallelism={"tp": 2, "tp_mode": "HALF"}), registries)
+    with pytest.raises(ConfigError) as err:
+        check_config(config, registries, 2)
+    assert "parallelism.tp_mode: 'HALF' (plugin half_tp_mode) builds" in str(err.value)
+    assert "lacks row_linear, after_embedding; a TP mode implements nanocore.tp_api.TPMode" in str(err.value)

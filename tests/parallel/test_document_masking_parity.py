@@ -1,0 +1,74 @@
+"""Document masking trains exactly like one process at every layout, context parallelism included.
+
+Short documents (each ending with the byte tokenizer's end-of-document token) are packed into
+32-token samples, so every sample holds several documents and boundaries fall inside chunks, TP
+shards and pipeline micro-batches alike. Tolerances as in `test_parity.py`."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tests.helpers.compare import rel_diff
+from tests.helpers.training import run_training, tiny_config
+from tests.parallel.test_parity import GLOBAL_MICROBATCHES, assert_matches, layout
+
+pytestmark = pytest.mark.slow
+
+LAYOUTS = {
+    "dp2": layout(dp=2),
+    "tp2_reduce_scatter": layout(tp=2, tp_mode="REDUCE_SCATTER"),
+    "pp2_interleaved": layout(pp=2, pp_engine="interleaved", pp_virtual_stages=2),
+    "cp2": layout(context_parallel_size=2),
+    "cp4": layout(context_parallel_size=4),
+    "dp2_cp2_tp2": layout(dp=2, context_parallel_size=2, tp=2),
+}
+
+
+def corpus(folder) -> str:
+    """One document per line, 2 to 20 characters: several per 32-token sample."""
+    rng = random.Random(0)
+    letters = "abcdefghij klmnop"
+    lines = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 20))) for _ in range(400)]
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    return str(path)
+
+
+def masked_config(tmp, data: str, masking: bool = True, **sections) -> dict:
+    raw = tiny_config(tmp, tokenizer={"tokenizer_name_or_path": "byte"}, **sections)
+    raw["model"]["model_config"]["vocab_size"] = 260
+    raw["tokens"]["sequence_length"] = 32
+    raw["tokens"]["document_masking"] = masking
+    raw["data_stages"][0]["data"]["dataset"] = {"format": "hf", "hf_dataset_or_datasets": data}
+    return raw
+
+
+_reference: dict[bool, dict] = {}
+
+
+def reference(tmp_path_factory, masking: bool = True) -> dict:
+    if masking not in _reference:
+        tmp = tmp_path_factory.mktemp(f"masked_reference_{masking}")
+        _reference[masking] = run_training(masked_config(tmp, corpus(tmp / "data"), masking))
+    return _reference[masking]
+
+
+def test_masking_changes_training(tmp_path_factory):
+    """Without this the parity below would prove nothing about masking."""
+    masked, plain = reference(tmp_path_factory, True), reference(tmp_path_factory, False)
+    assert rel_diff(masked["losses"][0], plain["losses"][0]) > 1e-3
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_document_masking_layout_matches_single_process(name, tmp_path, tmp_path_factory):
+    par = LAYOUTS[name]
+    world = par["dp"] * par["tp"] * par["pp"] * par.get("context_parallel_size", 1)
+    accumulation = GLOBAL_MICROBATCHES // par["dp"]
+    config = masked_config(
+        tmp_path, corpus(tmp_path / "data"), parallelism=par, tokens={"batch_accumulation_per_replica": accumulation}
+    )
+    assert_matches(run_training(config, world), reference(tmp_path_factory))

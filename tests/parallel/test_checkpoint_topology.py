@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 GLOBAL_MICROBATCHES = 4
 
 
-def layout(dp=1, tp=1, pp=1, zero=0):
-    par = {"dp": dp, "tp": tp, "pp": pp}
+def layout(dp=1, tp=1, pp=1, zero=0, cp=1):
+    par = {"dp": dp, "tp": tp, "pp": pp, "context_parallel_size": cp}
     return par, {"zero_stage": zero}, {"batch_accumulation_per_replica": GLOBAL_MICROBATCHES // dp}
 
 
@@ -46,12 +46,15 @@ CASES = {
     "tp2_to_tp4": (layout(tp=2), layout(tp=4)),
     "dp2_zero1_to_dp4_zero1": (layout(dp=2, zero=1), layout(dp=4, zero=1)),
     "3d_same_layout": (layout(dp=2, tp=2, pp=2, zero=1), layout(dp=2, tp=2, pp=2, zero=1)),
+    # context parallelism splits activations only: its checkpoints are any other layout's
+    "cp2_zero1_to_one_process": (layout(cp=2, zero=1), layout()),
+    "cp2_zero1_to_cp4_zero1": (layout(cp=2, zero=1), layout(cp=4, zero=1)),
 }
 
 
 def world(lay) -> int:
     par = lay[0]
-    return par["dp"] * par["tp"] * par["pp"]
+    return par["dp"] * par["tp"] * par["pp"] * par["context_parallel_size"]
 
 
 @pytest.mark.parametrize("case", list(CASES))

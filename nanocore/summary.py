@@ -120,6 +120,8 @@ def run_summary(trainer: Trainer) -> str:
     """The summary text (call on every rank: it gathers each rank's sizes)."""
     cfg, engine = trainer.config, trainer.engine
     par, tokens = cfg.parallelism, cfg.tokens
+    cp = par.context_parallel_size
+    experts_from = "dp x cp" if cp > 1 else "dp"
     estimates = engine.all_gather_object(engine.memory_estimate())
     stage_lines = _stage_lines(trainer)
     folders = trainer.folders
@@ -142,15 +144,16 @@ def run_summary(trainer: Trainer) -> str:
         f"nanocore {nanocore.__version__} | run {trainer.run_name!r} (id {trainer.run_id}) | {start}",
         *([f"overrides: {', '.join(trainer.overrides)}"] if trainer.overrides else []),
         "plugins: " + "; ".join(plugins_in_use(trainer)),
-        f"layout: {engine.world_size} process(es) = dp {par.dp} x tp {par.tp} x pp {par.pp}"
-        f"{f' (experts over ep {par.expert_parallel_size} of dp)' if par.expert_parallel_size > 1 else ''}"
+        f"layout: {engine.world_size} process(es) = dp {par.dp}"
+        f"{f' x cp {cp} (each sequence split over {cp} ranks)' if cp > 1 else ''} x tp {par.tp} x pp {par.pp}"
+        f"{f' (experts over ep {par.expert_parallel_size} of {experts_from})' if par.expert_parallel_size > 1 else ''}"
         f" | pp_engine {par.pp_engine}, "
         f"{par.pp_virtual_stages} virtual stage(s) | tp_mode {par.tp_mode if par.tp > 1 else '-'} | ZeRO "
         f"{cfg.optimizer.zero_stage} | {engine.device.type}, {str(engine.dtype).removeprefix('torch.')}",
         f"model: {cfg.model.model_type}, {_count(total_params)} parameters; per rank {spread}",
         f"tokens: {tokens.sequence_length * cfg.global_batch_size:,} per step (global batch {cfg.global_batch_size} = "
         f"dp {par.dp} x micro-batch {tokens.micro_batch_size} x accumulation {tokens.batch_accumulation_per_replica}, "
-        f"sequence {tokens.sequence_length}); {tokens.train_steps} steps = {_count(trainer.tokens_per_step * tokens.train_steps)} tokens",
+        f"sequence {tokens.sequence_length}{', documents masked' if tokens.document_masking else ''}); {tokens.train_steps} steps = {_count(trainer.tokens_per_step * tokens.train_steps)} tokens",
         *[f"data {line}" for line in stage_lines],
         _memory_line(estimates),
         f"checkpoints: {Path(ck.checkpoints_path).resolve()} ({every}, {keep}) | logs: "

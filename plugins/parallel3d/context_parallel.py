@@ -142,16 +142,47 @@ def _expand_mask(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None:
     return None if mask is None else mask[:, None].repeat(1, 1, groups, 1)
 
 
+# Scores are computed a tile of query rows at a time, at most this many elements (16 MiB in float32),
+# so the transient memory of a block does not grow with the square of the sequence.
+_TILE_ELEMENTS = 2**22
+
+
+def _row_tiles(q: torch.Tensor, keys: int) -> list[slice]:
+    rows = q.shape[2]
+    step = max(1, _TILE_ELEMENTS // max(q.shape[0] * q.shape[1] * keys, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def _scores(q, k, mask, scale):
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+
+
 def _block_forward(q, k, v, mask, scale):
     """Attention of grouped queries over one key block, in float32: (out, lse); rows with no allowed
     key get out 0 and lse -inf."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    safe = lse.masked_fill(torch.isinf(lse), 0.0)
-    out = torch.matmul(torch.exp(scores - safe[..., None]), v)
-    return out, lse
+    outs, lses = [], []
+    for t in _row_tiles(q, k.shape[2]):
+        scores = _scores(q[:, :, t], k, None if mask is None else mask[:, :, t], scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        safe = lse.masked_fill(torch.isinf(lse), 0.0)
+        outs.append(torch.matmul(torch.exp(scores - safe[..., None]), v))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _block_backward(q, k, v, dout, lse, delta, mask, scale):
+    """Gradients of one block given the final output's log-sum-exp and delta = rowsum(dout * out):
+    (dq of these rows, dk, dv of the block's keys and values)."""
+    dk, dv, dqs = torch.zeros_like(k), torch.zeros_like(v), []
+    for t in _row_tiles(q, k.shape[2]):
+        q_t, do_t = q[:, :, t], dout[:, :, t]
+        p = torch.exp(_scores(q_t, k, None if mask is None else mask[:, :, t], scale) - lse[:, :, t, None])
+        dv += torch.matmul(p.transpose(-1, -2), do_t)
+        ds = p * (torch.matmul(do_t, v.transpose(-1, -2)) - delta[:, :, t, None])
+        dqs.append(torch.matmul(ds, k) * scale)
+        dk += torch.matmul(ds.transpose(-1, -2), q_t) * scale
+    return torch.cat(dqs, dim=2), dk, dv
 
 
 class RingAttention(torch.autograd.Function):
@@ -212,15 +243,9 @@ class RingAttention(torch.autograd.Function):
             row_index = _row_index(rows, length, groups, q.device)
             kb, vb = kv[0][:, :, cols].float(), kv[1][:, :, cols].float()
             q_rows, do_rows, l_rows, d_rows = (_pick(t, row_index) for t in (qg, dout, lse, delta))
-            scores = torch.matmul(q_rows, kb.transpose(-1, -2)) * scale
-            m = _expand_mask(mask, groups)
-            if m is not None:
-                scores = scores.masked_fill(~m, float("-inf"))
-            p = torch.exp(scores - l_rows[..., None])
-            dv_blk = torch.matmul(p.transpose(-1, -2), do_rows)
-            ds = p * (torch.matmul(do_rows, vb.transpose(-1, -2)) - d_rows[..., None])
-            dq_rows = torch.matmul(ds, kb) * scale
-            dk_blk = torch.matmul(ds.transpose(-1, -2), q_rows) * scale
+            dq_rows, dk_blk, dv_blk = _block_backward(
+                q_rows, kb, vb, do_rows, l_rows, d_rows, _expand_mask(mask, groups), scale
+            )
             if row_index is None:
                 dq += dq_rows
             else:

@@ -142,9 +142,9 @@ def _expand_mask(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None:
     return None if mask is None else mask[:, None].repeat(1, 1, groups, 1)
 
 
-# Scores are computed a tile of query rows at a time, at most this many elements (16 MiB in float32),
+# Scores are computed a tile of query rows at a time, at most this many elements (4 MiB in float32),
 # so the transient memory of a block does not grow with the square of the sequence.
-_TILE_ELEMENTS = 2**22
+_TILE_ELEMENTS = 2**20
 
 
 def _row_tiles(q: torch.Tensor, keys: int) -> list[slice]:

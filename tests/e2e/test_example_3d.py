@@ -43,4 +43,4 @@ def test_3d_example_trains_on_eight_cpu_processes(tmp_path):
     assert any("val_lm_loss" in r for r in rows)
     assert (tmp_path / "checkpoints" / "tiny_llama_3d" / "3" / "model").is_dir()
     meta = json.loads((tmp_path / "checkpoints" / "tiny_llama_3d" / "3" / "meta.json").read_text())
-    assert meta["topology"] == {"dp": 2, "tp": 2, "pp": 2, "world_size": 8}
+    assert meta["topology"] == {"dp": 2, "tp": 2, "pp": 2, "cp": 1, "world_size": 8}

@@ -155,4 +155,4 @@ def test_two_torchrun_agents_as_two_nodes_match_one_process(tmp_path):
     checkpoints = tmp_path / "nodes" / "checkpoints"
     assert (checkpoints / "latest.txt").read_text().strip() == str(STEPS)
     meta = json.loads((checkpoints / str(STEPS) / "meta.json").read_text())
-    assert meta["topology"] == {"dp": 2, "tp": 2, "pp": 1, "world_size": 4}
+    assert meta["topology"] == {"dp": 2, "tp": 2, "pp": 1, "cp": 1, "world_size": 4}

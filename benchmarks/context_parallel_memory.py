@@ -1,0 +1,187 @@
+"""Context parallelism at a fixed sequence length: activation memory per rank and tokens/s, cp 1, 2
+and 4 side by side.
+
+Each cp runs nanocore's trainer on cp gloo processes (dp = tp = pp = 1: one sequence split over cp
+ranks, ring attention between them), float32, random tokens. A step is one
+`Trainer._train_one_step` (what `Trainer.train` runs per step).
+
+Activation memory: after a warm-up step (so the optimizer state exists), before each timed step a
+rank resets its peak resident size (Linux `VmHWM`, through /proc/self/clear_refs) and notes its
+resident size; the peak above that during the step is what the step adds on top of weights,
+gradients and optimizer state: activations saved for backward, their gradients, the ring's
+messages and score tiles, the logits. glibc's malloc is told to hand every allocation above 64 KiB
+back to the system on free (MALLOC_MMAP_THRESHOLD_), so memory freed by one step is not counted as
+already resident in the next. Reported per cp: the largest rank's median over steps, its ratio to
+cp 1, and tokens/s (global tokens per step / median step time of rank 0).
+
+    python benchmarks/context_parallel_memory.py                 # ~2 minutes on 2 CPU cores
+    python benchmarks/context_parallel_memory.py --seq 8192 --json cp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cp", default="1,2,4", help="context-parallel sizes to compare (comma-separated)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (fixed across cp)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4, help="query heads (key/value heads = heads / 2)")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per cp (after 1 warm-up)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return p.parse_args(argv)
+
+
+def _kb(field: str) -> int:
+    for line in STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in {STATUS} (Linux only)")
+
+
+def config(args: argparse.Namespace, cp: int, tmp: Path) -> dict[str, Any]:
+    return {
+        "general": {"seed": 1, "project": "benchmark", "run": f"cp{cp}"},
+        "parallelism": {"dp": 1, "tp": 1, "pp": 1, "context_parallel_size": cp},
+        "model": {
+            "model_config": {
+                "model_type": "llama",
+                "hidden_size": args.hidden,
+                "intermediate_size": 4 * args.hidden,
+                "num_attention_heads": args.heads,
+                "num_key_value_heads": max(1, args.heads // 2),
+                "num_hidden_layers": args.layers,
+                "vocab_size": args.vocab,
+                "max_position_embeddings": args.seq,
+            },
+            "dtype": "float32",
+        },
+        "tokenizer": {"tokenizer_name_or_path": None},
+        "tokens": {
+            "sequence_length": args.seq,
+            "train_steps": args.steps + 1,
+            "micro_batch_size": 1,
+            "batch_accumulation_per_replica": 1,
+        },
+        "optimizer": {
+            "learning_rate_scheduler": {"learning_rate": 1e-3, "lr_warmup_steps": 0, "lr_decay_style": "constant"},
+            "optimizer_factory": {"name": "adam_w", "torch_adam_is_fused": False},
+        },
+        "data_stages": [{"name": "stable", "start_training_step": 1, "data": {"dataset": None}}],
+        "checkpoints": {"checkpoints_path": str(tmp / "checkpoints"), "save_final_state": False},
+        "logging": {"log_dir": str(tmp / "logs"), "loggers": []},
+    }
+
+
+def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.nn  # noqa: F401  before any group exists (see plugins/parallel3d/context.py)
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from nanocore.config.checks import check_config
+    from nanocore.config.converter import structure_config
+    from nanocore.config.load import LoadedConfig
+    from nanocore.plugins import load_plugins
+    from nanocore.trainer import Trainer
+
+    plugins = load_plugins()
+    config = structure_config(raw, plugins.registries)
+    check_config(config, plugins.registries, world)
+    trainer = Trainer(LoadedConfig(config, plugins, None))
+    trainer.memory.reset = lambda: None  # the trainer's own meter would reset the peak inside the step
+    losses: list[float] = []
+    activation_kb, seconds = [], []
+    try:
+        for step in range(steps + 1):
+            CLEAR_REFS.write_text("5")
+            base = _kb("VmRSS")
+            start = time.perf_counter()
+            trainer._train_one_step(losses, 1)  # what Trainer.train runs per step
+            elapsed = time.perf_counter() - start
+            if step > 0:  # the first step also allocates the optimizer state
+                activation_kb.append(_kb("VmHWM") - base)
+                seconds.append(elapsed)
+    finally:
+        trainer.close()
+    results.put((rank, statistics.median(activation_kb), statistics.median(seconds), losses))
+
+
+def run_cp(args: argparse.Namespace, cp: int) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        raw = config(args, cp, Path(tmp))
+        procs = [
+            ctx.Process(target=_rank, args=(r, cp, raw, str(Path(tmp) / "store"), args.steps, results))
+            for r in range(cp)
+        ]
+        for proc in procs:
+            proc.start()
+        got = [results.get(timeout=1800) for _ in procs]
+        for proc in procs:
+            proc.join()
+            if proc.exitcode != 0:
+                raise RuntimeError(f"cp {cp}: a rank exited with {proc.exitcode}")
+    got.sort()
+    activation_mib = max(g[1] for g in got) / 1024
+    step_s = got[0][2]
+    return {
+        "cp": cp,
+        "activation_mib_per_rank": activation_mib,
+        "activation_mib_each_rank": [g[1] / 1024 for g in got],
+        "step_seconds": step_s,
+        "tokens_per_second": args.seq / step_s,
+        "losses": got[0][3],
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    # every allocation above 64 KiB is its own mapping, returned to the system when freed
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    sizes = [int(c) for c in args.cp.split(",")]
+    rows = []
+    for cp in sizes:
+        print(f"cp {cp}: {cp} process(es), sequence {args.seq} ...", flush=True)
+        rows.append(run_cp(args, cp))
+    base = rows[0]["activation_mib_per_rank"]
+    print(
+        f"\nLLaMA hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, sequence "
+        f"{args.seq}, float32, 1 thread per rank"
+    )
+    print(f"{'cp':>3} {'activation MiB/rank':>20} {'vs cp ' + str(sizes[0]):>9} {'tokens/s':>9} {'step s':>7}")
+    for row in rows:
+        row["ratio_to_first"] = row["activation_mib_per_rank"] / base
+        print(
+            f"{row['cp']:>3} {row['activation_mib_per_rank']:>20.1f} {row['ratio_to_first']:>9.3f} "
+            f"{row['tokens_per_second']:>9.0f} {row['step_seconds']:>7.2f}"
+        )
+    first = [r["losses"][0] for r in rows]
+    print(f"step-1 loss at each cp (the same computation): {', '.join(f'{x:.6f}' for x in first)}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -325,12 +325,18 @@ def test_tp_modes_are_registered_and_sequence_parallel_checks_sequence_length():
     assert not registry.get("ALL_REDUCE").factory().sequence_parallel
     check = registry.get("REDUCE_SCATTER").extras["check"]
 
-    def config(tp, seq):
-        return SimpleNamespace(parallelism=SimpleNamespace(tp=tp), tokens=SimpleNamespace(sequence_length=seq))
+    def config(tp, seq, cp=1):
+        return SimpleNamespace(
+            parallelism=SimpleNamespace(tp=tp, context_parallel_size=cp), tokens=SimpleNamespace(sequence_length=seq)
+        )
 
     assert check(config(4, 32), None) == []
     (problem,) = check(config(4, 30), None)
     assert problem.startswith("tokens.sequence_length:") and "divisible by 4" in problem
+    # under context parallelism each cp rank's share is what tp splits
+    assert check(config(4, 32, cp=2), None) == []
+    (problem,) = check(config(4, 36, cp=2), None)  # 18 tokens per cp rank do not split over tp=4
+    assert "divisible by cp x tp = 8; got 36" in problem
 
 
 def test_parallelize_rejects_a_plan_that_names_the_wrong_module_type():

@@ -22,7 +22,6 @@ from nanocore.engine_api import StepOutput, TrainableParam
 from nanocore.errors import PluginError
 from nanocore.moe_api import MoELayer
 from nanocore.registry import Entry, Registries
-from nanocore.sequence_api import sequence_features
 from nanocore.sharding import get_placement
 from nanocore.tp_api import TPMode
 
@@ -63,13 +62,8 @@ class Engine3D:
         self.is_main = ctx.rank == 0
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.schedule = registries.pp_engine.get(par.pp_engine).factory(config)
-        self.tp_mode: TPMode | None = None
-        if par.tp > 1:
-            self.tp_mode = registries.tp_mode.get(par.tp_mode).factory()
-            if not isinstance(self.tp_mode, TPMode):
-                raise PluginError(
-                    f"tp_mode {par.tp_mode!r} built {self.tp_mode!r}, which does not implement nanocore.tp_api.TPMode"
-                )
+        # a mode that does not implement TPMode is refused when the config is checked (nanocore.config.checks)
+        self.tp_mode: TPMode | None = registries.tp_mode.get(par.tp_mode).factory() if par.tp > 1 else None
         self.local: LocalModel | None = None
         self.optimizer = None
         self.document_separator: int | None = None
@@ -98,7 +92,7 @@ class Engine3D:
             ep_rank=ctx.ep_rank,
         )
         self.model = self.local.module
-        self._setup_sequence(entry.name)
+        self._setup_sequence()
         self._setup_experts()
         self.true_vocab_size = self.local.true_vocab_size
         with torch.device("meta"):  # the whole single-device model, for FLOPs per token
@@ -115,18 +109,12 @@ class Engine3D:
             sequence=self.sequence,
         )
 
-    def _setup_sequence(self, model_type: str) -> None:
-        """Context parallelism and document masking: hand the model the ring-attention runtime."""
+    def _setup_sequence(self) -> None:
+        """Context parallelism and document masking: hand the model the ring-attention runtime (whether
+        the model declares them is checked with the config: `plugin.check_blocks`)."""
         ctx, masking = self.ctx, self.config.tokens.document_masking
         if ctx.cp == 1 and not masking:
             return
-        needed = ({"context_parallel"} if ctx.cp > 1 else set()) | ({"document_masking"} if masking else set())
-        missing = needed - sequence_features(self.model)
-        if missing or not hasattr(self.model, "set_sequence_runtime"):
-            raise PluginError(
-                f"model type {model_type!r} does not declare {', '.join(sorted(missing or needed))} in "
-                "sequence_features with set_sequence_runtime (see nanocore.sequence_api)"
-            )
         if masking and self.document_separator is None:
             raise PluginError("tokens.document_masking needs the end-of-document token id (set_document_separator)")
         separator = self.document_separator if masking else None
@@ -138,11 +126,7 @@ class Engine3D:
         ctx = self.ctx
         # the ranks holding other tokens of a micro-batch: its cp chunks, and its tp shards under sequence parallelism
         sequence_parallel = self.tp_mode is not None and self.tp_mode.sequence_parallel
-        token_group = None
-        if ctx.cp > 1:
-            token_group = ctx.cp_tp_group if sequence_parallel else ctx.cp_group
-        elif sequence_parallel:
-            token_group = ctx.tp_group
+        token_group = ctx.cp_tp_group if sequence_parallel else ctx.cp_group  # (tp group, None) at cp = 1
         self.runtime = ExpertParallel(ctx.ep_group, ctx.ep, ctx.ep_rank, token_group=token_group)
         self.moe_local: dict[int, MoELayer] = {}  # index among the model's MoE layers -> local layer
         for index, name in enumerate(self.local.moe_layers):

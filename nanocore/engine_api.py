@@ -98,6 +98,10 @@ class TrainableParam:
     # engine's `dp` handed to the ZeRO factory. Expert weights under expert parallelism are replicated
     # over the expert-data-parallel group only (ranks holding the same experts).
     dp: Any = None
+    # (start, length): the rows of the parameter `grad` holds when the engine reduce-scattered the
+    # gradients over `dp` (a ZeRO stage registered with `shards_gradients=True`; the rows are
+    # `nanocore.sharding.row_share(param.shape, dp.size, dp.rank)`). None: `grad` is the whole parameter's.
+    grad_rows: tuple[int, int] | None = None
 
 
 class ZeroOptimizer(Protocol):
@@ -106,6 +110,10 @@ class ZeroOptimizer(Protocol):
     `build_optimizer(param_groups)` makes the configured torch optimizer; `dp` has `group`, `rank`,
     `size`. A parameter whose `TrainableParam.dp` is set is replicated over that group instead: a
     stage shards and exchanges it there, and its rank 0 there writes its state.
+
+    A stage registered with `shards_gradients=True` (ZeRO-2) asks the engine to reduce-scatter
+    gradients during backward: each rank then holds only its rows (`TrainableParam.grad_rows`) of
+    every reduced gradient, and the stage updates exactly those rows.
     """
 
     def step(self, lr: float) -> None:

@@ -50,6 +50,7 @@ class NanocoreSpecs:
         """Register ZeRO stages by number as a string (`optimizer.zero_stage`): '0', '1', ...
 
         `factory(params: list[TrainableParam], build_optimizer, dp) -> ZeroOptimizer` (nanocore.engine_api).
+        Extras: `shards_gradients=True` asks the engine to reduce-scatter gradients (ZeRO-2).
         """
 
     @hookspec

@@ -80,3 +80,28 @@ def shard_range(size: int, parts: int, index: int) -> tuple[int, int]:
     base, extra = divmod(size, parts)
     start = index * base + min(index, extra)
     return start, base + (1 if index < extra else 0)
+
+
+def row_share(shape: tuple[int, ...] | torch.Size, parts: int, index: int) -> tuple[int, int]:
+    """(start, length) of the rows of a tensor of `shape` that data-parallel rank `index` of `parts`
+    owns under ZeRO sharding (optimizer state, reduce-scattered gradients, the update it exchanges):
+    `shard_range` over dim 0; a 0-dim tensor counts as one row, owned by rank 0. Engines and ZeRO
+    stages both cut with this one function, so their pieces agree."""
+    rows = shape[0] if len(shape) else 1
+    return shard_range(rows, parts, index)
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """`torch.distributed.all_gather_single` (torch >= 2.13), else `all_gather_into_tensor` (its older name)."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """`torch.distributed.reduce_scatter_single` (torch >= 2.13), else `reduce_scatter_tensor` (its older name)."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)

@@ -160,7 +160,11 @@ class OptimizerArgs:
 
     optimizer_factory: OptimizerFactory = doc("Which optimizer, and its arguments.", factory=OptimizerFactory)
     learning_rate_scheduler: LRSchedulerArgs = doc("LR schedule.", factory=LRSchedulerArgs)
-    zero_stage: int = doc("0 = replicated optimizer state; 1 = sharded over data parallel (plugin).", default=0)
+    zero_stage: int = doc(
+        "0 = replicated optimizer state; 1 = optimizer state sharded over data parallel; 2 = optimizer state "
+        "and gradients sharded (gradients reduce-scattered during backward). Stages are plugins.",
+        default=0,
+    )
     weight_decay: float = doc("Decoupled weight decay (not applied to norms and biases).", default=0.0)
     clip_grad: float | None = doc("Clip the global gradient norm to this value.", default=None)
     accumulate_grad_in_fp32: bool = doc("Accumulate gradients in float32 buffers.", default=True)

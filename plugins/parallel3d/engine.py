@@ -31,6 +31,7 @@ from .context_parallel import ContextParallel
 from .experts import ExpertParallel, is_expert
 from .grads import GradBuffers
 from .pipeline import PipelineExecutor
+from .sharded_grads import ShardedGradBuffers
 from .tensor_parallel import parallelize as tp_parallelize
 from .tensor_parallel import tp_grad_sync, tp_owned_parameters, vocab_parallel_cross_entropy
 
@@ -106,6 +107,7 @@ class Engine3D:
             dtype=self.dtype,
             recompute=par.recompute_layer,
             on_final_backward=self.grads.final_backward,
+            after_backward=self.grads.after_backward,
             sequence=self.sequence,
         )
 
@@ -162,15 +164,31 @@ class Engine3D:
                     seen.add(id(p))
             chunk_params.append(ps)
         accumulate_fp32 = self.config.optimizer.accumulate_grad_in_fp32
-        self.grads = GradBuffers(
-            chunk_params,
-            dtype=torch.float32 if accumulate_fp32 else self.dtype,
-            device=self.device,
-            bucket_bytes=self.config.model.ddp_bucket_cap_mb * 2**20,
-            dp_group=ctx.dcp_group,  # context-parallel ranks hold the same weights: they count as replicas
-            dp_size=ctx.dcp,
-            replica_group=lambda p: (ctx.edp_group, ctx.edp) if is_expert(p) else (ctx.dcp_group, ctx.dcp),
-        )
+        dtype = torch.float32 if accumulate_fp32 else self.dtype
+        bucket_bytes = self.config.model.ddp_bucket_cap_mb * 2**20
+        # context-parallel ranks hold the same weights: they count as data-parallel replicas
+        zero = self.registries.zero_stage.get(str(self.config.optimizer.zero_stage))
+        if zero.extras.get("shards_gradients"):  # ZeRO-2: each rank keeps its rows of every gradient
+            self.grads = ShardedGradBuffers(
+                chunk_params,
+                dtype=dtype,
+                device=self.device,
+                bucket_bytes=bucket_bytes,
+                dp_size=ctx.dcp,
+                replica_group=lambda p: (
+                    (ctx.edp_group, ctx.edp, ctx.edp_rank) if is_expert(p) else (ctx.dcp_group, ctx.dcp, ctx.dcp_rank)
+                ),
+            )
+        else:
+            self.grads = GradBuffers(
+                chunk_params,
+                dtype=dtype,
+                device=self.device,
+                bucket_bytes=bucket_bytes,
+                dp_group=ctx.dcp_group,
+                dp_size=ctx.dcp,
+                replica_group=lambda p: (ctx.edp_group, ctx.edp) if is_expert(p) else (ctx.dcp_group, ctx.dcp),
+            )
         self.tied_split = self._tied_local()
         self.writer = self._writers(dict(self.model.named_parameters()))
 
@@ -203,6 +221,7 @@ class Engine3D:
                     writer=self.writer[name],
                     weight_decay=p.dim() >= 2,
                     dp=self.edp if is_expert(p) else None,
+                    grad_rows=getattr(p, "main_grad_rows", None) if self.grads.sharded else None,
                 )
             )
         self.trainables, self.frozen = trainables, frozen
@@ -321,6 +340,11 @@ class Engine3D:
         for t in self.trainables:
             if t.writer:
                 (experts if t.dp is not None else total).add_(t.grad.float().pow(2).sum())
+        if self.grads.sharded:  # ZeRO-2: each data-parallel rank holds other rows
+            if self.ctx.dcp > 1:
+                dist.all_reduce(total, group=self.ctx.dcp_group)
+            if self.ctx.edp > 1:
+                dist.all_reduce(experts, group=self.ctx.edp_group)
         if self.ctx.ep > 1:  # each expert-parallel rank holds other experts
             dist.all_reduce(experts, group=self.ctx.ep_group)
         total += experts

@@ -33,6 +33,8 @@ class _Bucket:
 
 
 class GradBuffers:
+    sharded = False  # every rank holds whole reduced gradients (see sharded_grads for ZeRO-2)
+
     def __init__(
         self,
         params_by_chunk: list[list[nn.Parameter]],
@@ -122,6 +124,9 @@ class GradBuffers:
     def final_backward(self, chunk: int | None) -> None:
         """The next backward is `chunk`'s last of this step: reduce its buckets as they fill."""
         self.sync_chunk = chunk
+
+    def after_backward(self, chunk: int) -> None:
+        """Buckets launch from the hooks; nothing to do when a backward ends."""
 
     def finish(self) -> None:
         """Wait for every reduction (launching those of parameters that got no gradient)."""

@@ -78,12 +78,14 @@ class PipelineExecutor:
         dtype: torch.dtype,
         recompute: bool,
         on_final_backward: Callable[[int | None], None] = lambda chunk: None,
+        after_backward: Callable[[int], None] = lambda chunk: None,
         sequence: ContextParallel | None = None,
     ):
         self.ctx, self.local, self.schedule, self.loss_fn = ctx, local, schedule, loss_fn
         self.sequence = sequence  # context parallelism / document masking: this rank's tokens and their layout
         self.recompute = recompute
         self.on_final_backward = on_final_backward
+        self.after_backward = after_backward
         self.p2p = P2P(ctx, dtype)
         self.last_stage = local.num_virtual_stages - 1
         self._actions: dict[int, list[Action]] = {}
@@ -167,6 +169,7 @@ class PipelineExecutor:
                     torch.autograd.backward(y, grad)
                 if x is not None:
                     self.p2p.send(x.grad, self._owner(stage - 1), (1, stage - 1, m))
+                self.after_backward(c)  # after the send: the previous stage need not wait for our reduction
         self.on_final_backward(None)
         self.p2p.wait_all()
         return total

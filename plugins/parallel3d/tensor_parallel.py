@@ -322,7 +322,9 @@ def tp_grad_sync(
       buffer over the TP group, which needs no extra process groups.
 
     `grad_of(param)` returns the gradient tensor to reduce in place (default: `param.grad`; pass
-    e.g. `lambda p: p.main_grad` for fp32 accumulation buffers). One all-reduce per dtype.
+    e.g. `lambda p: p.main_grad` for fp32 accumulation buffers). One all-reduce per dtype. That gradient
+    may hold only some rows of the parameter (ZeRO-2): every rank of a TP group holds
+    the same rows, so placing them at the head's offset sums them row for row.
     """
     tp, _ = _size_rank(group)
     if tp == 1:
@@ -340,7 +342,7 @@ def tp_grad_sync(
             if grad is None:
                 continue
             full = grad.new_zeros((layer.full_out_features, *grad.shape[1:]))
-            rows = slice(layer.out_start, layer.out_start + layer.out_features)
+            rows = slice(layer.out_start, layer.out_start + grad.shape[0])  # all rows, or ZeRO-2's share
             full[rows] = grad
             jobs.setdefault(grad.dtype, []).append((grad, full, lambda buf, rows=rows: buf[rows]))
     for items in jobs.values():

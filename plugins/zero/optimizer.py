@@ -8,6 +8,12 @@ rectangle of the full tensor, optimizer state is saved with its place in the ful
 checkpoint written at dp=2 loads at dp=4, or without ZeRO. The slots' placements carry the
 parameter's vocabulary padding (`valid_rows`), so padding rows of state are never saved and load
 as zeros, at any tp.
+
+Stage 2 is stage 1 over gradients the engine reduce-scattered during backward: each rank's
+gradient buffer holds only its own rows (`TrainableParam.grad_rows`), so no rank ever keeps a full
+reduced gradient between steps. Stages 1 and 2 exchange the updated rows with one all-gather per
+replica group and dtype: each rank sends its rows (padded to the largest rank's share), which is
+half the traffic of all-reducing a zero-padded full buffer.
 """
 
 from __future__ import annotations
@@ -15,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
 from nanocore.engine_api import TrainableParam
-from nanocore.sharding import Placement, shard_range
+from nanocore.errors import PluginError
+from nanocore.sharding import Placement, all_gather_single, row_share
 
 
 class _Slot:
@@ -29,12 +35,14 @@ class _Slot:
         self.t, self.start, self.length, self.dp = t, start, length, dp
         whole = not sharded or t.param.dim() == 0
         local_shape = tuple(t.param.shape)
+        grad_is_rows = t.grad_rows is not None  # the engine reduce-scattered: `grad` holds these rows only
         if whole:
             self.placement, self.shape = t.placement, local_shape
             param_view, grad_view = t.param.data, t.grad
         else:
             self.placement, self.shape = t.placement.narrow(0, start, length, local_shape)
-            param_view, grad_view = t.param.data.narrow(0, start, length), t.grad.narrow(0, start, length)
+            param_view = t.param.data.narrow(0, start, length)
+            grad_view = t.grad if grad_is_rows else t.grad.narrow(0, start, length)
         self.param_view = param_view
         # fp32 parameters are their own master; lower precision ones get an fp32 copy
         self.separate_master = param_view.dtype != torch.float32
@@ -65,13 +73,28 @@ class ZeroOptimizer:
     ):
         self.dp, self.sharded = dp, sharded
         self.slots: list[_Slot] = []
+        # the parameters whose updated rows are exchanged, per (replica group, dtype), in the same order on every rank
+        self.exchanges: list[_RowExchange] = []
+        by_group: dict[tuple[int, torch.dtype], list[TrainableParam]] = {}
         for t in params:
             group = t.dp or dp  # expert weights: the ranks holding the same experts
-            if sharded and t.param.dim() > 0:
-                start, length = shard_range(t.param.shape[0], group.size, group.rank)
+            if sharded and group.size > 1:
+                by_group.setdefault((id(group), t.param.dtype), []).append(t)
+            if t.grad_rows is not None:
+                if not sharded:
+                    raise PluginError("a replicated ZeRO stage got reduce-scattered gradients (TrainableParam.grad_rows)")
+                start, length = t.grad_rows
+                if (start, length) != row_share(tuple(t.param.shape), group.size, group.rank):
+                    raise PluginError(f"{t.name}: the engine's gradient rows {t.grad_rows} are not this rank's share")
+                if t.param.dim() == 0 and length == 0:
+                    continue  # a scalar is rank 0's to update; the others receive it in the exchange
+            elif sharded and t.param.dim() > 0:
+                start, length = row_share(tuple(t.param.shape), group.size, group.rank)
             else:
                 start, length = 0, t.param.shape[0] if t.param.dim() else 1
             self.slots.append(_Slot(t, start, length, sharded, group))
+        for ts in by_group.values():
+            self.exchanges.append(_RowExchange(ts, ts[0].dp or dp))
         decay = [s.master for s in self.slots if s.t.weight_decay]
         no_decay = [s.master for s in self.slots if not s.t.weight_decay]
         groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
@@ -87,39 +110,13 @@ class ZeroOptimizer:
         for slot in self.slots:
             slot.master.grad = None
             slot.write_back()
-        if self.sharded:
-            groups: dict[int, list[_Slot]] = {}
-            for slot in self.slots:  # one exchange per replica group, in the same order on every rank
-                groups.setdefault(id(slot.dp), []).append(slot)
-            for slots in groups.values():
-                if slots[0].dp.size > 1:
-                    self._exchange_rows(slots)
-
-    @staticmethod
-    def _exchange_rows(slots: list[_Slot]) -> None:
-        """Every rank of the slots' group gets every rank's updated rows: zero the rows it does not own, then sum."""
-        dp = slots[0].dp
-        flat = []
-        for slot in slots:
-            p = slot.t.param.data
-            if p.dim() == 0:
-                flat.append(p.reshape(1) if dp.rank == 0 else torch.zeros_like(p).reshape(1))
-                continue
-            mine = torch.zeros_like(p)
-            mine.narrow(0, slot.start, slot.length).copy_(p.narrow(0, slot.start, slot.length))
-            flat.append(mine.reshape(-1))
-        buffer = torch.cat(flat)
-        dist.all_reduce(buffer, group=dp.group)
-        offset = 0
-        for slot in slots:
-            p = slot.t.param.data
-            n = p.numel()
-            p.copy_(buffer[offset : offset + n].view_as(p))
-            offset += n
+        for exchange in self.exchanges:
+            exchange.run()
 
     # -- checkpoints ----------------------------------------------------------------------
     def _writes(self, slot: _Slot) -> bool:
-        return slot.t.writer and (self.sharded or slot.dp.rank == 0)
+        # a sharded stage's rows are each rank's own; a scalar (and a replicated stage's state) is rank 0's
+        return slot.t.writer and ((self.sharded and slot.t.param.dim() > 0) or slot.dp.rank == 0)
 
     def state_shards(self) -> list[ShardedTensor]:
         out = []
@@ -186,3 +183,39 @@ class ZeroOptimizer:
             if slot.separate_master:
                 total += slot.master.numel() * slot.master.element_size()
         return total
+
+
+class _RowExchange:
+    """After a sharded step, every rank of a replica group gets every rank's updated rows: each sends
+    its own rows of every parameter (`row_share`; padded to the largest rank's share) with one
+    `all_gather_single` and copies the others' rows into place."""
+
+    def __init__(self, params: list[TrainableParam], dp):
+        self.dp = dp
+        self.views = [t.param.data.reshape(1) if t.param.dim() == 0 else t.param.data for t in params]
+        self.row_numel = [v[0].numel() if v.shape[0] else 0 for v in self.views]
+        # shares[q][i] = (start, length) of rank q's rows of parameter i
+        self.shares = [[row_share(tuple(t.param.shape), dp.size, q) for t in params] for q in range(dp.size)]
+        totals = [sum(n * r for (_, n), r in zip(share, self.row_numel, strict=True)) for share in self.shares]
+        self.width = max(totals)
+
+    def run(self) -> None:
+        dp, views = self.dp, self.views
+        dtype, device = views[0].dtype, views[0].device
+        send = torch.zeros(self.width, dtype=dtype, device=device)
+        self._pack_or_unpack(send, dp.rank, pack=True)
+        out = torch.empty(self.width * dp.size, dtype=dtype, device=device)
+        all_gather_single(out, send, group=dp.group)
+        for q in range(dp.size):
+            if q != dp.rank:
+                self._pack_or_unpack(out[q * self.width : (q + 1) * self.width], q, pack=False)
+
+    def _pack_or_unpack(self, flat: torch.Tensor, q: int, *, pack: bool) -> None:
+        offset = 0
+        for view, (start, length), row in zip(self.views, self.shares[q], self.row_numel, strict=True):
+            if length == 0:
+                continue
+            rows = view.narrow(0, start, length)
+            piece = flat[offset : offset + length * row].view_as(rows)
+            (piece if pack else rows).copy_(rows if pack else piece)
+            offset += length * row

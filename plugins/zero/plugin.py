@@ -1,4 +1,5 @@
-"""Registers ZeRO stages '0' (replicated optimizer state) and '1' (state sharded over data parallel)."""
+"""Registers ZeRO stages '0' (replicated optimizer state), '1' (state sharded over data parallel) and
+'2' (state and reduced gradients sharded: the engine reduce-scatters gradients during backward)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,9 @@ def sharded(params, build_optimizer, dp):
 def register_zero_stages(registry):
     registry.register("0", replicated, description="optimizer state replicated on every data-parallel rank")
     registry.register("1", sharded, description="optimizer state and fp32 master weights sharded over data parallel")
+    registry.register(
+        "2",
+        sharded,
+        description="ZeRO-1 plus gradients reduce-scattered during backward: each rank keeps only its rows",
+        shards_gradients=True,
+    )

@@ -93,13 +93,25 @@ def _train(raw: dict, world_size: int, extra_plugins: tuple = ()) -> dict:
         losses = trainer.train()
         pieces = [(s.name, s.tensor.detach().cpu().clone(), s.placement) for s in trainer.engine.model_shards()]
         state_bytes = trainer.engine.optimizer.state_bytes()
+        memory = {**trainer.engine.memory_estimate(), "grads_held_bytes": _gradient_bytes_held(trainer.engine)}
     finally:
         trainer.close()
     # Shutting down must leave no process group alive: a live gloo group's threads outlive the run
     # into interpreter shutdown, where they abort the process at random.
     ctx = getattr(trainer.engine, "ctx", None)
     assert ctx is None or ctx.live_groups() == 0, f"{ctx.live_groups()} process group(s) outlived shutdown"
-    return {"losses": losses, "pieces": pieces, "state_bytes": state_bytes, "metrics": recorder.rows}
+    return {"losses": losses, "pieces": pieces, "state_bytes": state_bytes, "metrics": recorder.rows, "memory": memory}
+
+
+def _gradient_bytes_held(engine) -> int:
+    """Bytes of gradients this rank keeps between steps: the engine's buffer plus any `.grad` outside it."""
+    buffer = engine.grads.buffer
+    held = buffer.numel() * buffer.element_size()
+    base = buffer.untyped_storage().data_ptr()
+    for p in engine.model.parameters():
+        if p.grad is not None and p.grad.untyped_storage().data_ptr() != base:
+            held += p.grad.numel() * p.grad.element_size()
+    return held
 
 
 def _rank_train(rank: int, world_size: int, raw: dict) -> dict:

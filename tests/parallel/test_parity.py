@@ -32,6 +32,15 @@ LAYOUTS = {
     "pp2_interleaved_v2": (layout(pp=2, pp_engine="interleaved", pp_virtual_stages=2), {}),
     "dp2_tp2_pp2_1f1b_zero1": (layout(dp=2, tp=2, pp=2, pp_engine="1f1b"), {"optimizer": {"zero_stage": 1}}),
     "recompute": (layout(pp=2, recompute_layer=True), {}),
+    # ZeRO-2: gradients reduce-scattered during backward, each rank steps and exchanges its rows
+    "dp2_zero2": (layout(dp=2), {"optimizer": {"zero_stage": 2}}),
+    "dp4_zero2": (layout(dp=4), {"optimizer": {"zero_stage": 2}}),
+    # tp4 with 2 key/value heads: each kv head's gradient is summed over the 2 ranks sharing it, row for row
+    "dp2_tp4_reduce_scatter_zero2": (layout(dp=2, tp=4, tp_mode="REDUCE_SCATTER"), {"optimizer": {"zero_stage": 2}}),
+    "dp2_pp2_interleaved_recompute_zero2": (
+        layout(dp=2, pp=2, pp_engine="interleaved", pp_virtual_stages=2, recompute_layer=True),
+        {"optimizer": {"zero_stage": 2}},
+    ),
 }
 
 _reference: dict[bool, dict] = {}
@@ -99,19 +108,42 @@ def test_tied_embeddings_across_pipeline_stages(tmp_path, tmp_path_factory):
     assert_matches(run, ref)
 
 
-def test_zero1_shards_optimizer_state(tmp_path):
-    """ZeRO-1 keeps ~1/dp of the optimizer state bytes of zero_stage 0 on each rank."""
+def test_zero2_tied_embeddings_across_pipeline_stages(tmp_path, tmp_path_factory):
+    """The tied pair's two sides hold the same rows of their reduce-scattered gradients and sum them."""
+    model = {"model_config": {"tie_word_embeddings": True}}
+    par = layout(dp=2, pp=2, pp_engine="1f1b")
+    tokens = {"batch_accumulation_per_replica": GLOBAL_MICROBATCHES // 2}
+    config = tiny_config(tmp_path, parallelism=par, model=model, tokens=tokens, optimizer={"zero_stage": 2})
+    assert_matches(run_training(config, 4), reference(tmp_path_factory, tied=True))
+
+
+def test_zero_stages_shard_state_and_gradients(tmp_path):
+    """At dp4, ZeRO-1 keeps ~1/4 of stage 0's optimizer state on each rank, and ZeRO-2 also ~1/4 of its
+    gradients (nothing else holds a gradient between steps); all three take the same step."""
     tokens = {"batch_accumulation_per_replica": 1, "train_steps": 1}
-    plain = run_training(tiny_config(tmp_path / "z0", parallelism=layout(dp=4), tokens=tokens), 4)
-    zero = run_training(
-        tiny_config(tmp_path / "z1", parallelism=layout(dp=4), tokens=tokens, optimizer={"zero_stage": 1}), 4
-    )
-    full = plain["ranks"][0]["state_bytes"]
-    per_rank = [r["state_bytes"] for r in zero["ranks"]]
-    assert all(r["state_bytes"] == full for r in plain["ranks"])
-    for b in per_rank:
-        assert abs(b - full / 4) <= 0.05 * full / 4, (per_rank, full)
-    # the shards add up to the whole (only the per-parameter scalar step counters are replicated)
-    assert abs(sum(per_rank) - full) <= 0.01 * full
-    # one step: the same forward at the same layout, so the step-1 tolerance
-    assert max(rel_diff(a, b) for a, b in zip(zero["losses"], plain["losses"], strict=True)) <= STEP1_RTOL
+    runs = {
+        stage: run_training(
+            tiny_config(tmp_path / f"z{stage}", parallelism=layout(dp=4), tokens=tokens, optimizer={"zero_stage": stage}),
+            4,
+        )
+        for stage in (0, 1, 2)
+    }
+    full_state = runs[0]["ranks"][0]["state_bytes"]
+    full_grads = runs[0]["ranks"][0]["memory"]["grads_held_bytes"]
+    assert all(r["state_bytes"] == full_state for r in runs[0]["ranks"])
+    assert full_grads == sum(p.numel() for p in runs[0]["weights"].values()) * 4  # float32, every parameter
+    for stage in (1, 2):
+        per_rank = [r["state_bytes"] for r in runs[stage]["ranks"]]
+        for b in per_rank:
+            assert abs(b - full_state / 4) <= 0.05 * full_state / 4, (stage, per_rank, full_state)
+        # the shards add up to the whole (only the per-parameter scalar step counters are replicated)
+        assert abs(sum(per_rank) - full_state) <= 0.01 * full_state
+        # one step: the same forward at the same layout, so the step-1 tolerance
+        losses = zip(runs[stage]["losses"], runs[0]["losses"], strict=True)
+        assert max(rel_diff(a, b) for a, b in losses) <= STEP1_RTOL
+    assert [r["memory"]["grads_held_bytes"] for r in runs[1]["ranks"]] == [full_grads] * 4
+    sharded = [r["memory"]["grads_held_bytes"] for r in runs[2]["ranks"]]
+    for b in sharded:
+        assert abs(b - full_grads / 4) <= 0.05 * full_grads / 4, (sharded, full_grads)
+    assert [r["memory"]["grads_bytes"] for r in runs[2]["ranks"]] == sharded  # what the summary reports
+    assert max(weight_diffs(runs[2]["weights"], runs[0]["weights"]).values()) <= RTOL

@@ -1,0 +1,184 @@
+"""Reduce-scattered gradients (ZeRO-2): each data-parallel rank keeps only its rows of every gradient.
+
+The persistent buffer holds, per bucket, this rank's rows (`row_share`) of each of the bucket's
+parameters, padded to the largest rank's share. During backward, autograd's fresh gradient of a
+parameter is added into a bucket-sized staging buffer laid out rank-major (every rank's rows in
+that rank's segment) and freed; once a bucket has all its gradients of this backward, one
+`reduce_scatter_single` sums it over the replica group and leaves each rank its own segment, which
+is added into the buffer. Staging buffers live only until the end of the backward that filled them,
+so a rank never holds a full step's gradients, only autograd's in-flight ones and a chunk's staging.
+
+Unlike the replicated buffers (one all-reduce per step, in the last backward), every backward is
+reduced: gradients of several micro-batches cannot be summed locally without keeping them whole.
+Each micro-batch's reduce-scatter moves half the bytes of an all-reduce (DeepSpeed's ZeRO-2 does
+the same).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from nanocore.sharding import reduce_scatter_single, row_share
+
+
+class _ShardBucket:
+    def __init__(self, params: list[nn.Parameter], group, size: int, rank: int):
+        self.params, self.group, self.size, self.rank = params, group, size, rank
+        shapes = [tuple(p.shape) for p in params]
+        # elements per row (a 0-dim tensor is one row of one element)
+        self.row_numel = [p.numel() // s[0] if s and s[0] else (0 if s else 1) for p, s in zip(params, shapes, strict=True)]
+        # segments[q] = [(param index, start row, rows, offset within rank q's segment)]
+        self.segments: list[list[tuple[int, int, int, int]]] = []
+        totals = []
+        for q in range(size):
+            offset, segment = 0, []
+            for i, shape in enumerate(shapes):
+                start, rows = row_share(shape, size, q)
+                if rows:
+                    segment.append((i, start, rows, offset))
+                    offset += rows * self.row_numel[i]
+            self.segments.append(segment)
+            totals.append(offset)
+        self.width = max(totals)
+        # places[i] = where parameter i's rows go in the rank-major staging buffer: (offset, start row, rows)
+        self.places: list[list[tuple[int, int, int]]] = [[] for _ in params]
+        for q, segment in enumerate(self.segments):
+            for i, start, rows, at in segment:
+                self.places[i].append((q * self.width + at, start, rows))
+        self.staging: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+        self.handle = None
+        self.pending: set[int] = set()
+        self.view: torch.Tensor | None = None  # this rank's segment of the persistent buffer
+
+
+class ShardedGradBuffers:
+    """Same interface as `GradBuffers`; `p.main_grad` is this rank's rows of p's reduced gradient."""
+
+    sharded = True
+
+    def __init__(
+        self,
+        params_by_chunk: list[list[nn.Parameter]],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        bucket_bytes: int,
+        dp_size: int,
+        replica_group: Callable[[nn.Parameter], tuple[object, int, int]],
+    ):
+        """`replica_group(p)` -> (group, size, this rank's index) of the ranks holding replicas of `p`."""
+        self.dtype, self.device, self.dp_size = dtype, device, dp_size
+        self.buckets: list[_ShardBucket] = []
+        self.chunk_buckets: list[list[_ShardBucket]] = []
+        self.bucket_of: dict[int, _ShardBucket] = {}
+        self.index_in_bucket: dict[int, int] = {}
+        self._hooks: list = []
+        for chunk in params_by_chunk:
+            kinds: dict[int, list[nn.Parameter]] = {}
+            groups: dict[int, tuple[object, int, int]] = {}
+            for p in reversed(chunk):  # roughly the order backward produces them
+                group = replica_group(p)
+                kinds.setdefault(id(group[0]), []).append(p)
+                groups[id(group[0])] = group
+            mine = []
+            for key, params in kinds.items():
+                current, size = [], 0
+                for p in params:
+                    current.append(p)
+                    size += p.numel() * torch.finfo(dtype).bits // 8
+                    if size >= bucket_bytes:
+                        mine.append(_ShardBucket(current, *groups[key]))
+                        current, size = [], 0
+                if current:
+                    mine.append(_ShardBucket(current, *groups[key]))
+            self.chunk_buckets.append(mine)
+            self.buckets.extend(mine)
+        self.buffer = torch.zeros(sum(b.width for b in self.buckets), dtype=dtype, device=device)
+        offset = 0
+        for bucket in self.buckets:
+            bucket.view = self.buffer[offset : offset + bucket.width]
+            for i, p in enumerate(bucket.params):
+                self.bucket_of[id(p)] = bucket
+                self.index_in_bucket[id(p)] = i
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+            for i, start, rows, at in bucket.segments[bucket.rank]:
+                p = bucket.params[i]
+                piece = bucket.view[at : at + rows * bucket.row_numel[i]]
+                p.main_grad = piece.view(()) if p.dim() == 0 else piece.view(rows, *p.shape[1:])
+                p.main_grad_rows = (start, rows)
+            for p in bucket.params:
+                if not hasattr(p, "main_grad_rows"):  # this rank owns none of p's rows
+                    start, _ = row_share(tuple(p.shape), bucket.size, bucket.rank)
+                    p.main_grad = bucket.view[:0].view(0, *p.shape[1:]) if p.dim() else bucket.view[:0]
+                    p.main_grad_rows = (start, 0)
+            offset += bucket.width
+
+    def _hook(self, p: nn.Parameter) -> None:
+        grad, p.grad = p.grad, None
+        if grad is None:
+            return
+        bucket = self.bucket_of[id(p)]
+        if bucket.handle is not None:  # reduced earlier in this backward (a parameter used by two chunks)
+            self._complete(bucket)
+        if bucket.staging is None:
+            bucket.staging = torch.zeros(bucket.size * bucket.width, dtype=self.dtype, device=self.device)
+            bucket.pending = {id(q) for q in bucket.params}
+        i = self.index_in_bucket[id(p)]
+        rows_of = grad.reshape(1) if grad.dim() == 0 else grad
+        for base, start, rows in bucket.places[i]:
+            piece = bucket.staging[base : base + rows * bucket.row_numel[i]]
+            piece.view(rows, *rows_of.shape[1:]).add_(rows_of.narrow(0, start, rows))
+        bucket.pending.discard(id(p))
+        if not bucket.pending:
+            self._launch(bucket)
+
+    def _launch(self, bucket: _ShardBucket) -> None:
+        if bucket.size > 1:
+            bucket.out = torch.empty(bucket.width, dtype=self.dtype, device=self.device)
+            bucket.handle = reduce_scatter_single(bucket.out, bucket.staging, group=bucket.group, async_op=True)
+        else:
+            bucket.out, bucket.handle = bucket.staging, True
+
+    def _complete(self, bucket: _ShardBucket) -> None:
+        if bucket.handle is not True:
+            bucket.handle.wait()
+        if self.dp_size > 1:  # the loss is the mean over the global batch
+            bucket.out.div_(self.dp_size)
+        bucket.view.add_(bucket.out)
+        bucket.staging = bucket.out = bucket.handle = None
+
+    def start_step(self) -> None:
+        self.buffer.zero_()
+        for bucket in self.buckets:
+            bucket.staging = bucket.out = bucket.handle = None
+
+    def final_backward(self, chunk: int | None) -> None:
+        """Every backward is reduced; nothing to prepare for the last one."""
+
+    def after_backward(self, chunk: int) -> None:
+        """`chunk`'s backward has run: reduce what it produced and free the staging buffers."""
+        self._flush(self.chunk_buckets[chunk])
+
+    def _flush(self, buckets: list[_ShardBucket]) -> None:
+        # the same buckets in the same order on every rank (each rank ran the same backward)
+        for bucket in buckets:
+            if bucket.staging is not None and bucket.handle is None:
+                self._launch(bucket)
+        for bucket in buckets:
+            if bucket.handle is not None:
+                self._complete(bucket)
+
+    def finish(self) -> None:
+        self._flush(self.buckets)
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.buckets.clear()
+        self.chunk_buckets.clear()
+        self.bucket_of.clear()

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from nanocore.model_api import KVCache, TiedWeightsMixin, count_matmul_parameters, init_normal
 from nanocore.sequence_api import SequenceRuntime
@@ -100,6 +101,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+# `scaled_dot_product_attention(..., enable_gqa=True)` arrived in torch 2.5
+SDPA_HAS_GQA = TorchVersion(torch.__version__) >= "2.5"
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of the last q_len positions over all kv_len keys. Inputs [b, heads, len, d]."""
     q_len, kv_len = q.shape[2], k.shape[2]
@@ -107,17 +112,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
         # flash-attn aligns the causal mask to the bottom-right corner, which is what a cache needs.
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         return out.transpose(1, 2)
+    extra = {}
     if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of q heads
-        repeat = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
+        if SDPA_HAS_GQA:  # no repeated key/value copies (on CPU it also keeps the flash kernel)
+            extra["enable_gqa"] = True
+        else:
+            repeat = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
     if q_len == kv_len:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
     if q_len == 1:  # one new token sees everything cached
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, **extra)
     # q_len new tokens after kv_len - q_len cached ones: query i sees keys up to kv_len - q_len + i.
     mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(diagonal=kv_len - q_len)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra)
 
 
 class LlamaRMSNorm(nn.Module):

@@ -249,3 +249,27 @@ def test_nanotron_style_yaml_section_round_trips():
         intermediate_size=256, vocab_size=256, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE
     )
     assert converter.structure(converter.unstructure(args), ModelArgs) == args
+
+
+def test_grouped_query_attention_uses_sdpa_without_repeating_key_values(monkeypatch):
+    """Where torch has `enable_gqa`, key/value heads reach SDPA unrepeated (no group-times copies) and
+    the result equals attention over explicitly repeated heads."""
+    from nanocore_plugins.llama import model as llama_model
+
+    if not llama_model.SDPA_HAS_GQA:
+        pytest.skip("this torch has no enable_gqa (before 2.5): key/value heads are repeated instead")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 16, 4, generator=g)
+    k, v = torch.randn(2, 2, 16, 4, generator=g), torch.randn(2, 2, 16, 4, generator=g)
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q_, k_, v_, **kwargs):
+        seen.append((k_.shape[1], kwargs.get("enable_gqa")))
+        return sdpa(q_, k_, v_, **kwargs)
+
+    monkeypatch.setattr(llama_model.F, "scaled_dot_product_attention", spy)
+    out = llama_model.attention(q, k, v)
+    assert seen == [(2, True)]
+    expected = sdpa(q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), is_causal=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

@@ -33,7 +33,11 @@ The module must provide:
   another. It is declared rather than read off the TP plan: a `vocab_embedding`-style table may
   index something else (GPT-2's learned positions), and the declaration holds at tp=1, where no plan
   is applied.
-- optionally `recompute_blocks: set[str]`-compatible behaviour is the engine's business, not the model's.
+- optionally `selective_recompute_modules: list[str]`: name patterns (fnmatch, `*` matches a layer
+  index) of parameter-free modules an engine may recompute in backward instead of keeping what they
+  save, under `parallelism.recompute_granularity: selective` (LLaMA: every layer's attention core,
+  `model.layers.*.self_attn.core`, as Megatron-LM's selective recompute). Whole-block recompute
+  (`full`) is the engine's business alone.
 - optionally `moe_layers: list[str]`: the mixture-of-experts layers (see `nanocore.moe_api`).
 
 Helpers every model plugin can use (the built-in LLaMA/Mixtral and the GPT-2 example do):

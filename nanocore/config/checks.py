@@ -33,6 +33,8 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
     for key in ("dp", "tp", "pp", "pp_virtual_stages", "expert_parallel_size", "context_parallel_size"):
         if getattr(par, key) < 1:
             p.append(f"parallelism.{key}: must be at least 1, got {getattr(par, key)}")
+    if par.recompute_granularity not in (None, "full", "selective"):
+        p.append(f"parallelism.recompute_granularity: expected full or selective, got {par.recompute_granularity!r}")
     if not par.collective_timeout_seconds > 0:
         p.append(f"parallelism.collective_timeout_seconds: must be positive, got {par.collective_timeout_seconds}")
     cp = par.context_parallel_size

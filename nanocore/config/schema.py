@@ -74,7 +74,21 @@ class ParallelismArgs:
         "Ranks each sequence is split over (context parallelism, ring attention); the model must declare support.",
         default=1,
     )
-    recompute_layer: bool = doc("Activation checkpointing per decoder layer.", default=False)
+    recompute_layer: bool = doc(
+        "Activation checkpointing per decoder layer (the same as recompute_granularity: full).", default=False
+    )
+    recompute_granularity: str | None = doc(
+        "What to recompute in backward instead of keeping: `full` (each pipeline block but the first and last: "
+        "least memory, one more forward) or `selective` (only the modules the model declares, LLaMA's attention "
+        "core: little extra compute). Unset: full when recompute_layer is true, else nothing.",
+        default=None,
+    )
+
+    @property
+    def recompute(self) -> str | None:
+        """What is recomputed: 'full', 'selective', or None."""
+        return self.recompute_granularity or ("full" if self.recompute_layer else None)
+
     collective_timeout_seconds: float = doc(
         "A collective (all-reduce, send/recv, barrier) that waits longer than this ends the job with an error "
         "instead of hanging: a stalled or dead rank.",

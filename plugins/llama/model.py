@@ -151,6 +151,14 @@ class SequenceSlot:
     runtime: SequenceRuntime | None = None
 
 
+class AttentionCore(nn.Module):
+    """softmax(q k^T) v: parameter-free, so an engine can recompute it in backward instead of keeping
+    what it saves (selective recompute, `selective_recompute_modules`). Positions are already applied."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: SequenceRuntime | None = None):
+        return runtime.attend(q, k, v) if runtime is not None else attention(q, k, v)
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with rotary positions. Head counts come from tensor shapes."""
 
@@ -163,6 +171,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, config.kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, config.kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=bias)
+        self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         # Shapes come from the projections, not from x: under sequence parallelism x holds a
@@ -175,14 +184,14 @@ class LlamaAttention(nn.Module):
         runtime = self.sequence.runtime if kv_cache is None else None
         if runtime is not None:  # this rank's tokens of a longer sequence, or packed documents
             cos, sin = self.rotary.at(runtime.positions(), q.dtype)
-            out = runtime.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+            out = self.core(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, runtime)
             return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
         offset = kv_cache.length if kv_cache is not None else 0
         cos, sin = self.rotary.cos_sin(s, offset, x.device, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
-        out = attention(q, k, v)
+        out = self.core(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -267,6 +276,7 @@ class LlamaForCausalLM(TiedWeightsMixin, nn.Module):
         # What engines may do to the sequence (nanocore.sequence_api): split it over context-parallel
         # ranks, mask attention between packed documents.
         self.sequence_features = {"context_parallel", "document_masking"}
+        self.selective_recompute_modules = [f"{layers}.self_attn.core"]
         self.tp_plan: dict[str, Any] = {
             "model.embed_tokens": "vocab_embedding",
             f"{layers}.self_attn.q_proj": "colwise",

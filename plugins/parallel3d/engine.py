@@ -9,12 +9,15 @@ element once, and the ZeRO-stage plugin steps the optimizer.
 
 from __future__ import annotations
 
+import fnmatch
+import functools
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
 from nanocore.config import Config
@@ -93,6 +96,8 @@ class Engine3D:
             ep_rank=ctx.ep_rank,
         )
         self.model = self.local.module
+        if par.recompute == "selective":
+            recompute_selected(self.model)
         self._setup_sequence()
         self._setup_experts()
         self.true_vocab_size = self.local.true_vocab_size
@@ -105,7 +110,7 @@ class Engine3D:
             self.schedule,
             self._loss,
             dtype=self.dtype,
-            recompute=par.recompute_layer,
+            recompute=par.recompute == "full",
             on_final_backward=self.grads.final_backward,
             after_backward=self.grads.after_backward,
             sequence=self.sequence,
@@ -431,6 +436,21 @@ class Engine3D:
             if hasattr(self, name):
                 setattr(self, name, None)
         self.ctx.destroy()
+
+
+def recompute_selected(model: torch.nn.Module) -> None:
+    """Selective recompute: the modules the model names in `selective_recompute_modules` keep only their
+    inputs for backward and run again there (torch's non-reentrant checkpoint), while training."""
+    patterns = model.selective_recompute_modules
+    for name, module in model.named_modules():
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            module.forward = functools.partial(_checkpointed, module.forward)
+
+
+def _checkpointed(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _real_numel(t: TrainableParam) -> int:

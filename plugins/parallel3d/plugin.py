@@ -40,7 +40,8 @@ def check_blocks(config: Config, model_entry) -> list[str]:
     par = config.parallelism
     chunks = par.pp * par.pp_virtual_stages
     ep, cp, masking = par.expert_parallel_size, par.context_parallel_size, config.tokens.document_masking
-    if chunks <= 1 and ep <= 1 and cp <= 1 and not masking:
+    selective = par.recompute == "selective"
+    if chunks <= 1 and ep <= 1 and cp <= 1 and not masking and not selective:
         return []
     try:
         with torch.device("meta"):
@@ -53,6 +54,11 @@ def check_blocks(config: Config, model_entry) -> list[str]:
         problems.append(
             f"parallelism: pp x pp_virtual_stages = {chunks} pipeline chunks but the model has only {blocks} "
             "pipeline blocks (embedding, each decoder layer, head); add layers or lower pp / pp_virtual_stages"
+        )
+    if selective and not getattr(model, "selective_recompute_modules", None):
+        problems.append(
+            f"parallelism.recompute_granularity: selective recomputes the modules a model declares in "
+            f"selective_recompute_modules, and model type {config.model.model_type!r} declares none; use full"
         )
     features = sequence_features(model)
     if cp > 1 and "context_parallel" not in features:

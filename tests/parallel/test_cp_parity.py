@@ -24,6 +24,11 @@ LAYOUTS = {
         {},
     ),
     "cp2_tp2_all_reduce_recompute": (layout(context_parallel_size=2, tp=2, recompute_layer=True), {}),
+    # ring attention run again in backward (its exchanges too) instead of keeping what it saves
+    "cp2_dp2_selective_recompute_zero2": (
+        layout(context_parallel_size=2, dp=2, recompute_granularity="selective"),
+        {"optimizer": {"zero_stage": 2}},
+    ),
 }
 
 

@@ -32,6 +32,11 @@ LAYOUTS = {
     "pp2_interleaved_v2": (layout(pp=2, pp_engine="interleaved", pp_virtual_stages=2), {}),
     "dp2_tp2_pp2_1f1b_zero1": (layout(dp=2, tp=2, pp=2, pp_engine="1f1b"), {"optimizer": {"zero_stage": 1}}),
     "recompute": (layout(pp=2, recompute_layer=True), {}),
+    "selective_recompute_dp2_tp2_reduce_scatter": (
+        layout(dp=2, tp=2, tp_mode="REDUCE_SCATTER", recompute_granularity="selective"),
+        {},
+    ),
+    "selective_recompute_pp2_1f1b": (layout(pp=2, pp_engine="1f1b", recompute_granularity="selective"), {}),
     # ZeRO-2: gradients reduce-scattered during backward, each rank steps and exchanges its rows
     "dp2_zero2": (layout(dp=2), {"optimizer": {"zero_stage": 2}}),
     "dp4_zero2": (layout(dp=4), {"optimizer": {"zero_stage": 2}}),

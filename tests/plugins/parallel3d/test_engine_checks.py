@@ -200,3 +200,16 @@ def test_a_tp_mode_must_implement_the_core_contract(tmp_path):
         check_config(config, registries, 2)
     assert "parallelism.tp_mode: 'HALF' (plugin half_tp_mode) builds" in str(err.value)
     assert "lacks row_linear, after_embedding; a TP mode implements nanocore.tp_api.TPMode" in str(err.value)
+
+
+def test_recompute_granularity_choices_and_a_model_that_declares_selective(registries, tmp_path):
+    message = problems(registries, tmp_path, parallelism={"recompute_granularity": "partial"})
+    assert "parallelism.recompute_granularity: expected full or selective, got 'partial'" in message
+
+    from tests.plugins.third_party.packages import gpt2_config, require
+
+    require("nanocore-gpt2")
+    config = gpt2_config(tmp_path, {}, parallelism={"recompute_granularity": "selective"})
+    with pytest.raises(ConfigError) as err:
+        check_config(structure_config(config, registries), registries, 1)
+    assert "model type 'gpt2' declares none; use full" in str(err.value)

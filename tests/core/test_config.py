@@ -307,6 +307,7 @@ def test_config_command_prints_every_default(tmp_path, capsys):
         "expert_parallel_size": 1,
         "context_parallel_size": 1,
         "recompute_layer": False,
+        "recompute_granularity": None,
         "collective_timeout_seconds": 600.0,
         "engine": "3d",
     }

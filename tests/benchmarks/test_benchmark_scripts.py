@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_train_throughput_runs_both_sides_and_reports_a_ratio(tmp_path):
+@pytest.mark.parametrize("baseline", ["transformers", "plain"])
+def test_train_throughput_runs_both_sides_and_reports_a_ratio(tmp_path, baseline):
     out = tmp_path / "result.json"
     args = [
         "--hidden",
@@ -34,6 +35,8 @@ def test_train_throughput_runs_both_sides_and_reports_a_ratio(tmp_path):
         "1",
         "--accumulation",
         "2",
+        "--baseline",
+        baseline,
         "--json",
         str(out),
     ]
@@ -47,8 +50,11 @@ def test_train_throughput_runs_both_sides_and_reports_a_ratio(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "ratio" in result.stdout
     figures = json.loads(out.read_text())
-    text = json.dumps(figures)
-    assert "nanocore" in text and "plain" in text
+    assert figures["baseline"] == baseline
+    assert set(figures["median_tokens_per_sec"]) == {"nanocore", "baseline"}
+    assert all(figures["memory"][side]["peak_mib"] > 0 for side in ("nanocore", "baseline"))
+    # both sides start from the same weights: the first losses agree (different random tokens)
+    assert f"{baseline} " in result.stdout
 
 
 def test_gpu_check_says_when_there_is_no_gpu():

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
@@ -33,6 +32,7 @@ from .context import ParallelContext
 from .context_parallel import ContextParallel
 from .experts import ExpertParallel, is_expert
 from .grads import GradBuffers
+from .loss import cross_entropy
 from .pipeline import PipelineExecutor
 from .sharded_grads import ShardedGradBuffers
 from .tensor_parallel import parallelize as tp_parallelize
@@ -151,8 +151,7 @@ class Engine3D:
         if self.ctx.tp > 1:
             vocab_start = self.ctx.tp_rank * logits.shape[-1]
             return vocab_parallel_cross_entropy(logits, labels, self.ctx.tp_group, vocab_start, self.true_vocab_size)
-        logits = logits[..., : self.true_vocab_size]
-        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+        return cross_entropy(logits[..., : self.true_vocab_size], labels)
 
     def _setup_grads(self) -> None:
         ctx, local = self.ctx, self.local
@@ -340,11 +339,9 @@ class Engine3D:
         return out
 
     def _grad_norm(self) -> float:
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        experts = torch.zeros((), dtype=torch.float32, device=self.device)
-        for t in self.trainables:
-            if t.writer:
-                (experts if t.dp is not None else total).add_(t.grad.float().pow(2).sum())
+        # one multi-tensor norm per kind, no squared copies of the gradients
+        total = _sum_of_squares([t.grad for t in self.trainables if t.writer and t.dp is None], self.device)
+        experts = _sum_of_squares([t.grad for t in self.trainables if t.writer and t.dp is not None], self.device)
         if self.grads.sharded:  # ZeRO-2: each data-parallel rank holds other rows
             if self.ctx.dcp > 1:
                 dist.all_reduce(total, group=self.ctx.dcp_group)
@@ -451,6 +448,17 @@ def _checkpointed(forward, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if all(t.dtype == torch.float32 for t in tensors):
+        norms = torch._foreach_norm(tensors)  # what torch.nn.utils.clip_grad_norm_ uses
+    else:  # bfloat16 gradients: each norm accumulated in float32
+        norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+    return torch.stack(norms).pow(2).sum()
 
 
 def _real_numel(t: TrainableParam) -> int:

@@ -5,8 +5,8 @@ parameters, padded to the largest rank's share. During backward, autograd's fres
 parameter is added into a bucket-sized staging buffer laid out rank-major (every rank's rows in
 that rank's segment) and freed; once a bucket has all its gradients of this backward, one
 `reduce_scatter_single` sums it over the replica group and leaves each rank its own segment, which
-is added into the buffer. Staging buffers live only until the end of the backward that filled them,
-so a rank never holds a full step's gradients, only autograd's in-flight ones and a chunk's staging.
+is added into the buffer. One reduction is in flight at a time (the previous one completes when the
+next starts), so besides autograd's fresh gradients a rank holds about two buckets of staging.
 
 Unlike the replicated buffers (one all-reduce per step, in the last backward), every backward is
 reduced: gradients of several micro-batches cannot be summed locally without keeping them whole.
@@ -77,6 +77,7 @@ class ShardedGradBuffers:
         self.bucket_of: dict[int, _ShardBucket] = {}
         self.index_in_bucket: dict[int, int] = {}
         self._hooks: list = []
+        self.in_flight: list[_ShardBucket] = []
         for chunk in params_by_chunk:
             kinds: dict[int, list[nn.Parameter]] = {}
             groups: dict[int, tuple[object, int, int]] = {}
@@ -137,6 +138,11 @@ class ShardedGradBuffers:
             self._launch(bucket)
 
     def _launch(self, bucket: _ShardBucket) -> None:
+        # at most one reduction in flight: the one before is finished (and its staging freed) first,
+        # so a backward holds about two buckets of staging, not the whole chunk's gradients
+        for earlier in list(self.in_flight):
+            self._complete(earlier)
+        self.in_flight = [bucket]
         if bucket.size > 1:
             bucket.out = torch.empty(bucket.width, dtype=self.dtype, device=self.device)
             bucket.handle = reduce_scatter_single(bucket.out, bucket.staging, group=bucket.group, async_op=True)
@@ -150,9 +156,12 @@ class ShardedGradBuffers:
             bucket.out.div_(self.dp_size)
         bucket.view.add_(bucket.out)
         bucket.staging = bucket.out = bucket.handle = None
+        if bucket in self.in_flight:
+            self.in_flight.remove(bucket)
 
     def start_step(self) -> None:
         self.buffer.zero_()
+        self.in_flight = []
         for bucket in self.buckets:
             bucket.staging = bucket.out = bucket.handle = None
 

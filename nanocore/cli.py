@@ -10,7 +10,7 @@ import time
 import traceback
 from collections.abc import Sequence
 
-from nanocore import __version__, generate_cmd  # light: torch is imported when a command runs
+from nanocore import __version__, generate_cmd, plan_cmd  # light: torch is imported when a command runs
 from nanocore.errors import NanocoreError
 from nanocore.log_setup import rank, setup_logging
 
@@ -133,6 +133,10 @@ def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
     p.add_argument("--skip-data", action="store_true", help="do not build the datasets (the tokenizer is still checked)")
     add_overrides_argument(p)
     p.set_defaults(func=cmd_config)
+    p = sub.add_parser("plan", help="bytes per rank (parameters, gradients, optimizer, activations) before launching")
+    plan_cmd.add_arguments(p)
+    add_overrides_argument(p)
+    p.set_defaults(func=plan_cmd.cmd_plan)
     p = sub.add_parser("train", help=f"{TRAIN_HELP} (same as run_train.py)")
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
@@ -167,7 +171,7 @@ def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
 
 def _plugin_commands(argv: Sequence[str]) -> dict:
     """Commands registered by plugins; only loaded when the command is not a built-in one."""
-    builtin = {"plugins", "config", "train", "generate", "convert", "checkpoint"}
+    builtin = {"plugins", "config", "plan", "train", "generate", "convert", "checkpoint"}
     if argv and (argv[0] in builtin or argv[0] in ("--version", "-V")):
         return {}
     from nanocore.plugins import load_plugins

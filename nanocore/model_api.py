@@ -39,6 +39,13 @@ The module must provide:
   `model.layers.*.self_attn.core`, as Megatron-LM's selective recompute). Whole-block recompute
   (`full`) is the engine's business alone.
 - optionally `moe_layers: list[str]`: the mixture-of-experts layers (see `nanocore.moe_api`).
+- optionally `activation_elements_per_token() -> dict[str, float] | None`: what autograd keeps for
+  backward, in elements per token, for the memory planner (`nanocore plan`): `layer_norms`
+  (replicated over TP, sequence-sharded under sequence parallelism), `layer_column_inputs` (the
+  inputs of column-parallel layers: the gathered sequence under sequence parallelism),
+  `layer_sharded` (split over TP), `layer_attention_core_outputs` (the part of `layer_sharded`
+  selective recompute does not keep), `head_norm`, `head_logits` (per decoder layer, and for the
+  final norm + head block). Without it the planner reports activations as unknown.
 
 Helpers every model plugin can use (the built-in LLaMA/Mixtral and the GPT-2 example do):
 `TiedWeightsMixin` (`tie_weights`, and `to_empty` that re-ties), `init_normal` (layout- and

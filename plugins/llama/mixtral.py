@@ -205,6 +205,10 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     config: MixtralConfig
 
+    def activation_elements_per_token(self) -> None:
+        """Routed experts keep a data-dependent share of tokens each: not declared to the planner."""
+        return None
+
     def __init__(
         self,
         config: MixtralConfig,

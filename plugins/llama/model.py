@@ -331,6 +331,21 @@ class LlamaForCausalLM(TiedWeightsMixin, nn.Module):
             std /= math.sqrt(2 * self.config.num_hidden_layers)
         init_normal(tensor, std, generator)
 
+    def activation_elements_per_token(self) -> dict[str, float] | None:
+        """What autograd keeps for backward per token (elements), for the memory planner
+        (`nanocore.model_api`): per decoder layer and for the head block."""
+        c = self.config
+        h, kv, i = c.hidden_size, c.kv_heads * c.head_dim, c.intermediate_size
+        return {
+            "layer_norms": 4 * h,  # both norms' input and output
+            "layer_column_inputs": 2 * h,  # the normed inputs of q/k/v and gate/up (the norms' outputs)
+            # rotated q, k, v, attention output, o_proj's input; gate, silu(gate), up, their product
+            "layer_sharded": 3 * h + 2 * kv + 4 * i,
+            "layer_attention_core_outputs": h,  # what selective recompute does not keep
+            "head_norm": 2 * h,
+            "head_logits": self.vocab_size,
+        }
+
     def flops_per_token(self, sequence_length: int) -> float:
         """Training FLOPs per token (nanoGPT / PaLM estimate): 6N + 12 * layers * hidden * seq."""
         c = self.config

@@ -98,21 +98,10 @@ def build_local_model(
     ep_rank: int = 0,
 ) -> LocalModel:
     """This rank's part of `model` (a `meta_model`, tensor-parallel layers already swapped in)."""
-    blocks = model.pipeline_blocks()
     tied = list(getattr(model, "tied_parameters", []))
     all_moe_layers = moe_layers(model)
     most_experts = max((int(model.get_submodule(n).num_experts) for n in all_moe_layers), default=0)
-    shard_experts(model, ep_size, ep_rank)
-
-    all_chunks = partition(blocks, pp_size * virtual_stages)
-    chunk_ids = [c * pp_size + pp_rank for c in range(virtual_stages)]
-    chunks = [all_chunks[i] for i in chunk_ids]
-    keep = {name for chunk in chunks for block in chunk for name in block}
-    for chunk in all_chunks:
-        for block in chunk:
-            for name in block:
-                if name not in keep:
-                    model.set_submodule(name, nn.Identity())
+    chunks, chunk_ids = keep_rank_part(model, pp_size, pp_rank, virtual_stages, ep_size, ep_rank)
 
     # Canonical names: a tied parameter is initialised and saved under its first name everywhere.
     local = dict(model.named_parameters(remove_duplicate=False))
@@ -147,6 +136,25 @@ def build_local_model(
         moe_layers=all_moe_layers,
         moe_experts=most_experts,
     )
+
+
+def keep_rank_part(
+    model: nn.Module, pp_size: int, pp_rank: int, virtual_stages: int, ep_size: int, ep_rank: int
+) -> tuple[list[list[list[str]]], list[int]]:
+    """Prune `model` (on meta) in place to this rank's experts and pipeline chunks; returns the local
+    chunks (blocks of module names) and their virtual stage numbers. Also used by the memory planner."""
+    blocks = model.pipeline_blocks()
+    shard_experts(model, ep_size, ep_rank)
+    all_chunks = partition(blocks, pp_size * virtual_stages)
+    chunk_ids = [c * pp_size + pp_rank for c in range(virtual_stages)]
+    chunks = [all_chunks[i] for i in chunk_ids]
+    keep = {name for chunk in chunks for block in chunk for name in block}
+    for chunk in all_chunks:
+        for block in chunk:
+            for name in block:
+                if name not in keep:
+                    model.set_submodule(name, nn.Identity())
+    return chunks, chunk_ids
 
 
 def _mark_vocab_rows(model: nn.Module, name: str, placement: Placement) -> Placement:

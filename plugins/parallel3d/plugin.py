@@ -10,6 +10,7 @@ from nanocore.moe_api import moe_layers
 from nanocore.sequence_api import sequence_features
 
 from .engine import Engine3D
+from .planner import plan
 
 
 def check(config: Config, _args: object, registries=None) -> list[str]:
@@ -97,4 +98,5 @@ def register_parallel_engines(registry):
         description="data x tensor x pipeline parallelism (gloo on CPU, NCCL on GPU)",
         check=check,
         check_model=check_blocks,
+        plan=plan,
     )

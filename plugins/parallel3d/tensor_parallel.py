@@ -28,7 +28,17 @@ from nanocore.tp_api import Group, TPMode
 STYLES = ("colwise", "rowwise", "colwise_kv", "vocab_embedding", "lm_head")
 
 
+class PlannedGroup:
+    """Stands for a TP group of `size` ranks seen from `rank` where no process group exists: the memory
+    planner parallelises a meta model with it to read each rank's parameter shapes (nothing runs)."""
+
+    def __init__(self, size: int, rank: int):
+        self.size, self.rank = size, rank
+
+
 def _size_rank(group: Group) -> tuple[int, int]:
+    if isinstance(group, PlannedGroup):
+        return group.size, group.rank
     if group is None or not dist.is_initialized():
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)

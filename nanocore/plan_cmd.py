@@ -1,0 +1,115 @@
+"""`nanocore plan CONFIG`: bytes per rank before anything is launched.
+
+The engine plugin does the counting (registry entry extra `plan(config, registries, device) ->
+dict`, see plugins/parallel3d/planner.py for the built-in engine's formulas); this command prints
+the result per distinct rank, FLOPs per step, and with `--device-memory` whether the layout fits and
+the largest micro-batch that does. The same totals appear in the start-of-run summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from nanocore.errors import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML training config")
+    p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE")
+    p.add_argument("--world-size", type=int, default=None, help="also check the layout against this many processes")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--device-memory", default=None, metavar="SIZE", help="e.g. 80GB: say whether every rank fits")
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="resolves model.dtype auto (cuda: bfloat16)"
+    )
+
+
+def plan_for(config, registries, device: str) -> dict[str, Any] | None:
+    """The engine's memory plan, or None when the engine plugin offers no planner."""
+    entry = registries.parallel_engine.get(config.parallelism.engine)
+    planner = entry.extras.get("plan")
+    return None if planner is None else planner(config, registries, device=device)
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB', '80GiB', '1.5TB', '512MB' or a plain number of bytes. GB means 2**30 bytes here, as
+    GPU memory is quoted (an "80 GB" H100 holds 80 GiB)."""
+    units = {"": 1, "B": 1, "KB": 2**10, "KIB": 2**10, "MB": 2**20, "MIB": 2**20}
+    units |= {"GB": 2**30, "GIB": 2**30, "TB": 2**40, "TIB": 2**40}
+    s = text.strip().upper().replace(" ", "")
+    number = s.rstrip("KMGTIB")
+    unit = s[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise ConfigError(f"--device-memory: cannot read {text!r}; write a size such as 80GB")
+    return int(value * units[unit])
+
+
+def fit(result: dict[str, Any], device_bytes: int, micro_batch_size: int) -> dict[str, Any]:
+    """Whether every rank fits in `device_bytes`, and the largest micro-batch size that does
+    (activations grow linearly with it; nothing else does)."""
+    fits = max(r["total_bytes"] for r in result["ranks"]) <= device_bytes
+    largest = None
+    if all(r["activations_bytes"] is not None for r in result["ranks"]):
+        bounds = []
+        for r in result["ranks"]:
+            static = r["total_bytes"] - max(r["activations_bytes"], r["comm_bytes"])
+            room = device_bytes - static
+            per_sample = r["activations_bytes"] / micro_batch_size
+            if room < r["comm_bytes"]:
+                bounds.append(0)
+            elif per_sample > 0:
+                bounds.append(math.floor(room / per_sample))
+        largest = min(bounds) if bounds else None
+    return {"device_memory_bytes": device_bytes, "fits": fits, "largest_micro_batch_size": largest}
+
+
+def gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f}"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from nanocore.config.load import load_config
+
+    loaded = load_config(args.config, args.plugin, world_size=args.world_size, overrides=args.overrides)
+    config = loaded.config
+    result = plan_for(config, loaded.plugins.registries, args.device)
+    if result is None:
+        raise ConfigError(f"parallelism.engine: engine {config.parallelism.engine!r} offers no memory planner")
+    if args.device_memory is not None:
+        result["fit"] = fit(result, parse_bytes(args.device_memory), config.tokens.micro_batch_size)
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    lay = result["layout"]
+    print(
+        f"{result['world_size']} process(es): dp {lay['dp']} x cp {lay['cp']} x tp {lay['tp']} x pp {lay['pp']}"
+        f"{' (ep ' + str(lay['ep']) + ')' if lay['ep'] > 1 else ''}, ZeRO {lay['zero_stage']}, {result['dtype']}; "
+        "GiB per rank (every data-parallel replica of a rank holds the same)"
+    )
+    head = ("rank", "pp", "tp", "params", "grads", "optimizer", "activations", "comm", "total")
+    print(" ".join(f"{h:>11}" for h in head))
+    for r in result["ranks"]:
+        cells = (r["rank"], r["pp_rank"], r["tp_rank"])
+        sizes = (r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"], r["activations_bytes"], r["comm_bytes"])
+        print(" ".join(f"{c:>11}" for c in cells) + " " + " ".join(f"{gib(b):>11}" for b in (*sizes, r["total_bytes"])))
+    print(f"FLOPs per step: {result['flops_per_step']:.3e} (with recompute {result['flops_per_step_with_recompute']:.3e})")
+    for what in result["unknown"]:
+        print(f"not counted: {what}")
+    if "fit" in result:
+        f = result["fit"]
+        verdict = "fits" if f["fits"] else "does NOT fit"
+        largest = f["largest_micro_batch_size"]
+        print(
+            f"device memory {gib(f['device_memory_bytes'])} GiB: {verdict}; largest micro_batch_size that fits: "
+            f"{'unknown' if largest is None else largest}"
+        )
+    return 0

@@ -1,0 +1,199 @@
+"""The 3d engine's memory plan: bytes per rank before anything is launched (`nanocore plan`).
+
+Parameters are counted exactly: for each distinct rank (pipeline stage x tensor-parallel rank; data-
+and context-parallel replicas hold the same, ZeRO shards within one row) the model is built on the
+meta device, parallelised with that rank's TP coordinates and pruned to its experts and pipeline
+chunks, the way the engine builds it. Then, in bytes:
+
+- params: the rank's parameters x dtype size (tied pairs once per rank);
+- grads: trainable elements x gradient dtype size (float32 under accumulate_grad_in_fp32); ZeRO-2
+  keeps its rows only (`row_share` over the data-parallel group);
+- optimizer: `states_per_element` float32 tensors per element the rank updates (all of them at
+  ZeRO-0, its rows at ZeRO-1/2), plus float32 master weights for lower-precision parameters;
+- activations: what autograd keeps per micro-batch (the model's `activation_elements_per_token`)
+  x tokens per micro-batch on this rank (micro_batch_size x sequence / cp), x the schedule's peak
+  in-flight micro-batches (the pipeline simulator); TP divides what it shards, sequence parallelism
+  the norms too; full recompute keeps each recomputed block's input, selective drops the attention
+  core's outputs. Plus the backward's working set: the loss's float32 softmax over the logits and
+  one decoder layer's activations;
+- comm: ZeRO-1/2's exchange of updated rows (this rank's rows and everyone's, at the optimizer step,
+  when activations are gone) and ZeRO-2's two buckets of staging during backward.
+
+total = params + grads + optimizer + max(activations, comm): the step's two peaks do not overlap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nanocore.config import Config
+from nanocore.pipeline_sim import simulate
+from nanocore.registry import Registries
+from nanocore.sharding import row_share
+
+from .build import keep_rank_part, meta_model
+from .experts import is_expert
+from .tensor_parallel import PlannedGroup
+from .tensor_parallel import parallelize as tp_parallelize
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[str, Any]:
+    """The memory plan of `config` (see the module docstring). `device` resolves `model.dtype: auto`."""
+    par, tokens, opt = config.parallelism, config.tokens, config.optimizer
+    dtype_name = config.model.dtype if config.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    dtype_bytes = DTYPE_BYTES[dtype_name]
+    grad_bytes = 4 if opt.accumulate_grad_in_fp32 else dtype_bytes
+    cp, tp, pp, dp = par.context_parallel_size, par.tp, par.pp, par.dp
+    dcp = dp * cp
+    ep = par.expert_parallel_size
+    edp = dcp // ep
+    zero = registries.zero_stage.get(str(opt.zero_stage))
+    shards_grads = bool(zero.extras.get("shards_gradients"))
+    sharded_state = opt.zero_stage >= 1
+    optimizer_entry = registries.optimizer.get(opt.optimizer_factory.name)
+    count = optimizer_entry.extras.get("states_per_element")
+    states = count(opt.optimizer_factory.args) if count is not None else None
+    model_entry = registries.model.get(config.model.model_type)
+    tp_mode = registries.tp_mode.get(par.tp_mode).factory() if tp > 1 else None
+    sequence_parallel = bool(tp_mode is not None and tp_mode.sequence_parallel)
+    chunks = pp * par.pp_virtual_stages
+    microbatches = tokens.batch_accumulation_per_replica
+    schedule = registries.pp_engine.get(par.pp_engine).factory(config)
+    in_flight = simulate(schedule, pp, microbatches, par.pp_virtual_stages).peak_in_flight
+    mb_tokens = tokens.micro_batch_size * tokens.sequence_length / cp
+    bucket_bytes = config.model.ddp_bucket_cap_mb * 2**20
+
+    ranks = []
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            model = meta_model(model_entry, config.model, vocab_multiple=config.model.make_vocab_size_divisible_by * tp)
+            declared = _activation_elements(model)
+            if tp > 1:
+                tp_parallelize(model, model.tp_plan, PlannedGroup(tp, tp_rank), tp_mode, par.tp_linear_async_communication)
+            local_chunks, _ = keep_rank_part(model, pp, pp_rank, par.pp_virtual_stages, ep, 0)
+            params = {id(p): p for p in model.parameters()}.values()
+            param_bytes = sum(p.numel() for p in params) * dtype_bytes
+            grads = optimizer = exchange = 0
+            for p in params:
+                if not p.requires_grad:
+                    continue
+                group = edp if is_expert(p) else dcp
+                share = _row_elements(p, group) if sharded_state else p.numel()
+                grads += (_row_elements(p, group) if shards_grads else p.numel()) * grad_bytes
+                if states is not None:
+                    optimizer += share * 4 * states + (share * 4 if dtype_bytes != 4 else 0)
+                if sharded_state and group > 1:
+                    exchange += (_row_elements(p, group) * (group + 1)) * dtype_bytes  # own rows out, everyone's in
+            activations = None
+            if declared is not None:
+                activations = _activations(
+                    declared, local_chunks, model, par, tp, sequence_parallel, in_flight[pp_rank], mb_tokens, dtype_bytes
+                )
+            comm = exchange
+            if shards_grads and dcp > 1:
+                comm = max(comm, min(2 * bucket_bytes, grads * dcp) * 2)  # staging and its reduced copy
+            total = param_bytes + grads + (optimizer or 0) + max(activations or 0, comm)
+            ranks.append(
+                {
+                    "rank": _global_rank(pp_rank, tp_rank, tp, cp, pp),
+                    "pp_rank": pp_rank,
+                    "tp_rank": tp_rank,
+                    "params_bytes": int(param_bytes),
+                    "grads_bytes": int(grads),
+                    "optimizer_bytes": int(optimizer) if states is not None else None,
+                    "activations_bytes": int(activations) if activations is not None else None,
+                    "activations_bytes_per_microbatch_sample": (
+                        int(activations / tokens.micro_batch_size) if activations is not None else None
+                    ),
+                    "comm_bytes": int(comm),
+                    "total_bytes": int(total),
+                }
+            )
+    with torch.device("meta"):
+        whole = model_entry.factory(config.model, vocab_multiple=config.model.make_vocab_size_divisible_by)
+    per_token = float(whole.flops_per_token(tokens.sequence_length))
+    global_tokens = dp * tokens.micro_batch_size * microbatches * tokens.sequence_length
+    recompute_factor = {"full": 4 / 3, "selective": 1.0, None: 1.0}[par.recompute]
+    return {
+        "world_size": dp * cp * tp * pp,
+        "layout": {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "ep": ep, "zero_stage": opt.zero_stage},
+        "dtype": dtype_name,
+        "ranks": ranks,
+        "flops_per_step": per_token * global_tokens,
+        "flops_per_step_with_recompute": per_token * global_tokens * recompute_factor,
+        "peak_in_flight_microbatches": [p / max(1, par.pp_virtual_stages) for p in in_flight],
+        "unknown": [
+            *(["activations (the model declares no activation_elements_per_token)"] if ranks[0]["activations_bytes"] is None else []),
+            *(["optimizer state (the optimizer plugin declares no states_per_element)"] if states is None else []),
+        ],
+        "chunks": chunks,
+    }
+
+
+def _row_elements(p: torch.Tensor, group: int) -> int:
+    """Elements of `p` the largest ZeRO share (rank 0's rows) holds."""
+    _, rows = row_share(tuple(p.shape), group, 0)
+    per_row = p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1
+    return rows * per_row
+
+
+def _activation_elements(model) -> dict[str, float] | None:
+    declare = getattr(model, "activation_elements_per_token", None)
+    return declare() if declare is not None else None
+
+
+def _activations(
+    declared: dict[str, float],
+    local_chunks: list[list[list[str]]],
+    model,
+    par,
+    tp: int,
+    sequence_parallel: bool,
+    in_flight: int,
+    mb_tokens: float,
+    dtype_bytes: int,
+) -> float:
+    """Bytes of activations this rank holds at its peak (see the module docstring)."""
+    sp = tp if sequence_parallel else 1
+    norms = declared["layer_norms"] / sp
+    if sequence_parallel:
+        gathered = declared["layer_column_inputs"] / (tp if par.tp_linear_async_communication else 1)
+    else:
+        gathered = 0.0  # the column layers' inputs are the norms' outputs, counted there
+    sharded = declared["layer_sharded"] / tp
+    if par.recompute == "selective":
+        sharded -= declared["layer_attention_core_outputs"] / tp
+    layer = norms + gathered + sharded
+    head = declared["head_norm"] / sp + (declared["layer_column_inputs"] / 2 if sequence_parallel else 0.0)
+    logits = declared["head_logits"] / tp
+    hidden = declared["layer_norms"] / 4  # one hidden vector per token
+    blocks = model.pipeline_blocks()
+    is_last = local_chunks[-1][-1] == blocks[-1]
+    per_chunk = []
+    for chunk in local_chunks:
+        elements = 0.0
+        for block in chunk:
+            if block == blocks[0]:
+                continue  # the embedding keeps only the token ids
+            if block == blocks[-1]:
+                elements += head + logits
+                continue
+            if par.recompute == "full":
+                elements += hidden / sp  # a recomputed block keeps its input only
+            else:
+                elements += layer
+        per_chunk.append(elements)
+    held = max(per_chunk) * in_flight if in_flight else 0.0
+    working = layer  # backward of one layer (recomputed or not): its activations and their gradients
+    if is_last:
+        working += 2 * logits * 4 / dtype_bytes  # the float32 softmax of the logits and its gradient
+    return (held + working) * mb_tokens * dtype_bytes
+
+
+def _global_rank(pp_rank: int, tp_rank: int, tp: int, cp: int, pp: int) -> int:
+    """Global rank of (dp 0, cp 0, this pp and tp rank): the grid is tp innermost, then cp, then pp, then dp."""
+    return (pp_rank * cp + 0) * tp + tp_rank

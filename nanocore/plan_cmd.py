@@ -60,13 +60,13 @@ def fit(result: dict[str, Any], device_bytes: int, micro_batch_size: int) -> dic
     if all(r["activations_bytes"] is not None for r in result["ranks"]):
         bounds = []
         for r in result["ranks"]:
-            static = r["total_bytes"] - max(r["activations_bytes"], r["comm_bytes"])
-            room = device_bytes - static
+            static = r["params_bytes"] + r["grads_bytes"] + (r["optimizer_bytes"] or 0)
+            staging = r["backward_phase_bytes"] - r["activations_bytes"]
             per_sample = r["activations_bytes"] / micro_batch_size
-            if room < r["comm_bytes"]:
-                bounds.append(0)
+            if static + r["step_phase_bytes"] > device_bytes:
+                bounds.append(0)  # the optimizer step alone does not fit
             elif per_sample > 0:
-                bounds.append(math.floor(room / per_sample))
+                bounds.append(max(0, math.floor((device_bytes - static - staging) / per_sample)))
         largest = min(bounds) if bounds else None
     return {"device_memory_bytes": device_bytes, "fits": fits, "largest_micro_batch_size": largest}
 

@@ -16,6 +16,9 @@ def register_optimizers(registry):
         aliases=("adamW", "adamw"),
         description="torch AdamW (decoupled weight decay), fused where supported",
         states_per_element=lambda args: 2,  # exp_avg, exp_avg_sq
+        # float32 temporaries per element during step(): the multi-tensor (foreach) kernel builds
+        # sqrt(exp_avg_sq) + eps for every parameter at once; the fused kernel builds none
+        step_temporaries_per_element=lambda args: 0 if args is None or args.torch_adam_is_fused else 1,
     )
     registry.register(
         "sgd",
@@ -23,6 +26,7 @@ def register_optimizers(registry):
         config_class=SGDArgs,
         description="torch SGD with optional momentum",
         states_per_element=lambda args: 1 if args is not None and args.momentum else 0,  # momentum buffer
+        step_temporaries_per_element=lambda args: 0,  # in place
     )
 
 

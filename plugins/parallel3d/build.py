@@ -184,4 +184,7 @@ def _materialise(
         full = torch.empty(placement.full_shape, dtype=torch.float32)
         generator = torch.Generator().manual_seed(param_seed(seed, init_name))
         root.init_parameter(init_name, full, generator)
-        param.data = full[placement.slices(tuple(param.shape))].to(device=param.device, dtype=dtype).contiguous()
+        piece = full[placement.slices(tuple(param.shape))]
+        # a row slice is a contiguous view of `full`: copy it, or the rank would keep the whole tensor alive
+        copy = piece.numel() != full.numel()
+        param.data = piece.to(device=param.device, dtype=dtype, copy=copy).contiguous()

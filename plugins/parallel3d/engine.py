@@ -73,6 +73,9 @@ class Engine3D:
         self.document_separator: int | None = None
         self.sequence: ContextParallel | None = None
         torch.manual_seed(config.general.seed + self.rank)
+        # The first operation on the meta device imports torch's meta kernels (about 70 MiB of Python
+        # modules on CPU): part of start-up, so run it before the trainer measures its memory baseline.
+        torch.empty(1, device="meta").mul(2)
 
     # -- model ----------------------------------------------------------------------------
     def set_document_separator(self, token_id: int | None) -> None:

@@ -16,10 +16,14 @@ chunks, the way the engine builds it. Then, in bytes:
   the norms too; full recompute keeps each recomputed block's input, selective drops the attention
   core's outputs. Plus the backward's working set: the loss's float32 softmax over the logits and
   one decoder layer's activations;
-- comm: ZeRO-1/2's exchange of updated rows (this rank's rows and everyone's, at the optimizer step,
-  when activations are gone) and ZeRO-2's two buckets of staging during backward.
+- comm: ZeRO-1/2's exchange of updated rows (this rank's rows and everyone's, one piece of about
+  `exchange_buffer_bytes` at a time, at the optimizer step) and ZeRO-2's two buckets of staging
+  (and their reduced copies) during backward;
+- optimizer step: the optimizer's float32 temporaries (`step_temporaries_per_element`: AdamW's
+  multi-tensor kernel builds one per element, the fused kernel none).
 
-total = params + grads + optimizer + max(activations, comm): the step's two peaks do not overlap.
+total = params + grads + optimizer + max(activations + ZeRO-2 staging, exchange + optimizer step):
+backward's peak and the optimizer step's do not overlap (activations are freed before the step).
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
     optimizer_entry = registries.optimizer.get(opt.optimizer_factory.name)
     count = optimizer_entry.extras.get("states_per_element")
     states = count(opt.optimizer_factory.args) if count is not None else None
+    temporaries = optimizer_entry.extras.get("step_temporaries_per_element")
+    step_temporaries = temporaries(opt.optimizer_factory.args) if temporaries is not None else 0
+    exchange_piece = zero.extras.get("exchange_buffer_bytes")
     model_entry = registries.model.get(config.model.model_type)
     tp_mode = registries.tp_mode.get(par.tp_mode).factory() if tp > 1 else None
     sequence_parallel = bool(tp_mode is not None and tp_mode.sequence_parallel)
@@ -77,26 +84,30 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
             local_chunks, _ = keep_rank_part(model, pp, pp_rank, par.pp_virtual_stages, ep, 0)
             params = {id(p): p for p in model.parameters()}.values()
             param_bytes = sum(p.numel() for p in params) * dtype_bytes
-            grads = optimizer = exchange = 0
+            grads = optimizer = updated = exchange = largest = 0
             for p in params:
                 if not p.requires_grad:
                     continue
                 group = edp if is_expert(p) else dcp
                 share = _row_elements(p, group) if sharded_state else p.numel()
                 grads += (_row_elements(p, group) if shards_grads else p.numel()) * grad_bytes
+                updated += share
                 if states is not None:
                     optimizer += share * 4 * states + (share * 4 if dtype_bytes != 4 else 0)
-                if sharded_state and group > 1:
-                    exchange += (_row_elements(p, group) * (group + 1)) * dtype_bytes  # own rows out, everyone's in
+                if sharded_state and group > 1:  # own rows out, every rank's in
+                    exchange += p.numel() * dtype_bytes * (group + 1) / group
+                    largest = max(largest, p.numel() * dtype_bytes * (group + 1) / group)
+            if exchange_piece is not None and exchange:  # exchanged in pieces of about exchange_piece bytes
+                exchange = min(exchange, exchange_piece * (dcp + 1) / dcp + largest)
             activations = None
             if declared is not None:
                 activations = _activations(
                     declared, local_chunks, model, par, tp, sequence_parallel, in_flight[pp_rank], mb_tokens, dtype_bytes
                 )
-            comm = exchange
-            if shards_grads and dcp > 1:
-                comm = max(comm, min(2 * bucket_bytes, grads * dcp) * 2)  # staging and its reduced copy
-            total = param_bytes + grads + (optimizer or 0) + max(activations or 0, comm)
+            staging = min(2 * bucket_bytes, grads * dcp) * 2 if shards_grads and dcp > 1 else 0  # and its reduced copy
+            step_phase = exchange + updated * 4 * step_temporaries  # the optimizer step, activations gone
+            backward_phase = (activations or 0) + staging
+            total = param_bytes + grads + (optimizer or 0) + max(backward_phase, step_phase)
             ranks.append(
                 {
                     "rank": _global_rank(pp_rank, tp_rank, tp, cp, pp),
@@ -109,7 +120,10 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
                     "activations_bytes_per_microbatch_sample": (
                         int(activations / tokens.micro_batch_size) if activations is not None else None
                     ),
-                    "comm_bytes": int(comm),
+                    "comm_bytes": int(max(exchange, staging)),
+                    "optimizer_step_bytes": int(updated * 4 * step_temporaries),
+                    "backward_phase_bytes": int(backward_phase),  # activations + ZeRO-2 staging
+                    "step_phase_bytes": int(step_phase),  # exchange + optimizer temporaries
                     "total_bytes": int(total),
                 }
             )

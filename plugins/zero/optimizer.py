@@ -12,8 +12,9 @@ as zeros, at any tp.
 Stage 2 is stage 1 over gradients the engine reduce-scattered during backward: each rank's
 gradient buffer holds only its own rows (`TrainableParam.grad_rows`), so no rank ever keeps a full
 reduced gradient between steps. Stages 1 and 2 exchange the updated rows with one all-gather per
-replica group and dtype: each rank sends its rows (padded to the largest rank's share), which is
-half the traffic of all-reducing a zero-padded full buffer.
+replica group and dtype, in pieces of about `EXCHANGE_BYTES` of parameters: each rank sends its
+rows (padded to the largest rank's share), which is half the traffic of all-reducing a zero-padded
+full buffer, and no buffer as large as the model is ever allocated.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
 from nanocore.engine_api import TrainableParam
 from nanocore.errors import PluginError
 from nanocore.sharding import Placement, all_gather_single, row_share
+
+# Parameters per all-gather of updated rows: the exchange holds this rank's rows of them and every
+# rank's (about this many bytes, plus one parameter), not a copy of the whole model.
+EXCHANGE_BYTES = 32 * 2**20
 
 
 class _Slot:
@@ -93,8 +98,17 @@ class ZeroOptimizer:
             else:
                 start, length = 0, t.param.shape[0] if t.param.dim() else 1
             self.slots.append(_Slot(t, start, length, sharded, group))
-        for ts in by_group.values():
-            self.exchanges.append(_RowExchange(ts, ts[0].dp or dp))
+        for ts in by_group.values():  # in pieces of about EXCHANGE_BYTES, so the buffers stay small
+            piece: list[TrainableParam] = []
+            size = 0
+            for t in ts:
+                piece.append(t)
+                size += t.param.numel() * t.param.element_size()
+                if size >= EXCHANGE_BYTES:
+                    self.exchanges.append(_RowExchange(piece, t.dp or dp))
+                    piece, size = [], 0
+            if piece:
+                self.exchanges.append(_RowExchange(piece, piece[0].dp or dp))
         decay = [s.master for s in self.slots if s.t.weight_decay]
         no_decay = [s.master for s in self.slots if not s.t.weight_decay]
         groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]

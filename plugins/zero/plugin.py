@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from nanocore import hookimpl
 
-from .optimizer import ZeroOptimizer
+from .optimizer import EXCHANGE_BYTES, ZeroOptimizer
 
 
 def replicated(params, build_optimizer, dp):
@@ -19,10 +19,16 @@ def sharded(params, build_optimizer, dp):
 @hookimpl
 def register_zero_stages(registry):
     registry.register("0", replicated, description="optimizer state replicated on every data-parallel rank")
-    registry.register("1", sharded, description="optimizer state and fp32 master weights sharded over data parallel")
+    registry.register(
+        "1",
+        sharded,
+        description="optimizer state and fp32 master weights sharded over data parallel",
+        exchange_buffer_bytes=EXCHANGE_BYTES,  # the all-gather of updated rows, per piece (memory planner)
+    )
     registry.register(
         "2",
         sharded,
         description="ZeRO-1 plus gradients reduce-scattered during backward: each rank keeps only its rows",
         shards_gradients=True,
+        exchange_buffer_bytes=EXCHANGE_BYTES,
     )

@@ -116,6 +116,26 @@ def _memory_line(estimates: list[dict[str, Any]]) -> str:
     )
 
 
+def _plan_line(trainer: Trainer) -> str:
+    """The planner's figures for the largest rank (what `nanocore plan` prints for this config)."""
+    from nanocore.plan_cmd import plan_for
+
+    try:
+        plan = plan_for(trainer.config, trainer.registries, trainer.engine.device.type)
+    except Exception as exc:  # a planner that cannot read this layout must not stop the run
+        return f"memory plan: unavailable ({type(exc).__name__}: {exc})"
+    if plan is None:
+        return "memory plan: the engine offers no planner"
+    r = max(plan["ranks"], key=lambda r: r["total_bytes"])
+    act = "unknown" if r["activations_bytes"] is None else _bytes(r["activations_bytes"])
+    return (
+        f"memory plan (nanocore plan, rank {r['rank']}): {_bytes(r['total_bytes'])} at peak = parameters "
+        f"{_bytes(r['params_bytes'])} + gradients {_bytes(r['grads_bytes'])} + optimizer "
+        f"{_bytes(r['optimizer_bytes'] or 0)} + the larger of backward (activations {act}) and the optimizer step "
+        f"({_bytes(r['step_phase_bytes'])}); {plan['flops_per_step']:.3g} FLOPs per step"
+    )
+
+
 def run_summary(trainer: Trainer) -> str:
     """The summary text (call on every rank: it gathers each rank's sizes)."""
     cfg, engine = trainer.config, trainer.engine
@@ -156,6 +176,7 @@ def run_summary(trainer: Trainer) -> str:
         f"sequence {tokens.sequence_length}{', documents masked' if tokens.document_masking else ''}); {tokens.train_steps} steps = {_count(trainer.tokens_per_step * tokens.train_steps)} tokens",
         *[f"data {line}" for line in stage_lines],
         _memory_line(estimates),
+        _plan_line(trainer),
         f"checkpoints: {Path(ck.checkpoints_path).resolve()} ({every}, {keep}) | logs: "
         f"{Path(cfg.logging.log_dir).resolve()} ({loggers})",
     ]

@@ -45,6 +45,17 @@ def test_start_of_run_summary_says_what_runs_where(tmp_path, caplog):
     assert "data stage 'stable': steps 1-2 (128 tokens) from dummy;" in summary
     memory = next(line for line in lines if "memory per rank" in line)
     assert "parameters " in memory and "gradients " in memory and "optimizer state " in memory
+    # the planner's total for the largest rank, as `nanocore plan` prints it for this config
+    from nanocore.config.converter import structure_config
+    from nanocore.plan_cmd import plan_for
+    from nanocore.plugins import load_plugins
+
+    registries = load_plugins().registries
+    plan = plan_for(structure_config(raw, registries), registries, "cpu")
+    planned = next(line for line in lines if "memory plan (nanocore plan, rank 0)" in line)
+    from nanocore.summary import _bytes
+
+    assert f"{_bytes(plan['ranks'][0]['total_bytes'])} at peak" in planned
     assert f"checkpoints: {(tmp_path / 'checkpoints').resolve()} (every 5 steps, keep last 2)" in summary
     assert f"logs: {(tmp_path / 'logs').resolve()} (jsonl)" in summary
 

@@ -9,7 +9,8 @@ float32, random tokens) on the same model and global batch:
 
 Per layout: bytes each rank holds for parameters, gradients and optimizer state (the engine's own
 account of its buffers, `Engine.memory_estimate`), the measured peak resident memory of the largest
-rank above its size before the run was built (Linux `VmHWM`, as `peak_memory_mb` in metrics.jsonl),
+rank above its size before the run was built (Linux `VmHWM`, as `peak_memory_mb` in metrics.jsonl)
+beside what `nanocore plan` predicts for it,
 the largest rank's peak activation memory (what a step adds above its resident size at the step's
 start), and tokens/s (global tokens per step over rank 0's median step time). glibc is told to
 return every allocation above 64 KiB to the system on free (MALLOC_MMAP_THRESHOLD_), so a freed
@@ -122,9 +123,12 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
     plugins = load_plugins()
     config = structure_config(raw, plugins.registries)
     check_config(config, plugins.registries, world)
+    from nanocore.plan_cmd import plan_for
+
+    planned = plan_for(config, plugins.registries, "cpu")
     CLEAR_REFS.write_text("5")
-    before = _kb("VmRSS")
     trainer = Trainer(LoadedConfig(config, plugins, None))
+    before = trainer.memory.baseline_kb  # what peak_memory_mb counts from: start-up done, nothing built
     trainer.memory.reset = lambda: None  # the trainer's own meter would reset the peak inside the step
     losses: list[float] = []
     activation_kb, seconds = [], []
@@ -143,6 +147,8 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
                 activation_kb.append(step_peak - base)
                 seconds.append(elapsed)
         estimate = trainer.engine.memory_estimate()
+        ctx = trainer.engine.ctx
+        mine = next(r for r in planned["ranks"] if (r["pp_rank"], r["tp_rank"]) == (ctx.pp_rank, ctx.tp_rank))
     finally:
         trainer.close()
     results.put(
@@ -155,6 +161,7 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
                 "params_mib": estimate["params_bytes"] / 2**20,
                 "grads_mib": estimate["grads_bytes"] / 2**20,
                 "optimizer_mib": (estimate["optimizer_bytes"] or 0) / 2**20,
+                "planned_mib": mine["total_bytes"] / 2**20,
                 "losses": losses,
             },
         )
@@ -190,6 +197,7 @@ def run_layout(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "grads_mib": largest["grads_mib"],
         "optimizer_mib": largest["optimizer_mib"],
         "peak_mib": largest["peak_mib"],
+        "planned_mib": largest["planned_mib"],
         "activation_mib": max(r["activation_mib"] for r in ranks),
         "step_seconds": ranks[0]["step_seconds"],
         "tokens_per_second": tokens / ranks[0]["step_seconds"],
@@ -210,11 +218,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f"\nLLaMA hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, sequence "
         f"{args.seq}, global batch {args.global_batch}, float32, 1 thread per rank; MiB per rank (largest rank)"
     )
-    head = ("layout", "params", "grads", "optimizer", "peak", "activations", "tokens/s", "tok/s/rank")
+    head = ("layout", "params", "grads", "optimizer", "peak", "planned", "activations", "tokens/s", "tok/s/rank")
     print(f"{head[0]:>20} " + " ".join(f"{h:>11}" for h in head[1:]))
     for row in rows:
         figures = (
-            row["params_mib"], row["grads_mib"], row["optimizer_mib"], row["peak_mib"], row["activation_mib"],
+            row["params_mib"], row["grads_mib"], row["optimizer_mib"], row["peak_mib"], row["planned_mib"],
+            row["activation_mib"],
             row["tokens_per_second"], row["tokens_per_second_per_rank"],
         )  # fmt: skip
         print(f"{row['layout']:>20} " + " ".join(f"{x:>11.1f}" for x in figures))

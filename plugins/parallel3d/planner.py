@@ -104,7 +104,8 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
                 activations = _activations(
                     declared, local_chunks, model, par, tp, sequence_parallel, in_flight[pp_rank], mb_tokens, dtype_bytes
                 )
-            staging = min(2 * bucket_bytes, grads * dcp) * 2 if shards_grads and dcp > 1 else 0  # and its reduced copy
+            # ZeRO-2: two buckets of staging (one reducing, one filling) and the reduced share of one
+            staging = min(2 * bucket_bytes, grads * dcp) * (1 + 1 / dcp) if shards_grads and dcp > 1 else 0
             step_phase = exchange + updated * 4 * step_temporaries  # the optimizer step, activations gone
             backward_phase = (activations or 0) + staging
             total = param_bytes + grads + (optimizer or 0) + max(backward_phase, step_phase)

@@ -73,3 +73,23 @@ def test_resume_at_another_layout_continues_the_loss_curve(case, tmp_path, tmp_p
     assert max(rel_diff(a, b) for a, b in zip(saved["losses"], ref["losses"], strict=True)) <= RTOL
     bad = {name: diff for name, diff in weight_diffs(resumed["weights"], ref["weights"]).items() if not diff <= RTOL}
     assert not bad, f"{case}: weights differ by more than {RTOL} of their norm: {bad}"
+
+
+def test_resume_across_zero_stages_and_sizes(tmp_path, tmp_path_factory):
+    """ZeRO-2 at dp4 -> ZeRO-1 at dp2 -> one process: reduce-scattered gradients leave the same
+    optimizer state pieces, so each hop continues the uninterrupted run's losses."""
+    ref = reference(tmp_path_factory)
+    first = run_training(config(tmp_path / "a", layout(dp=4, zero=2), checkpoint_interval=3), 4)
+    second = run_training(
+        config(tmp_path / "b", layout(dp=2, zero=1), checkpoint_interval=3, resume_checkpoint_path=str(tmp_path / "a" / "checkpoints" / "3")),
+        2,
+    )
+    third = run_training(
+        config(tmp_path / "c", layout(), resume_checkpoint_path=str(tmp_path / "b" / "checkpoints" / "6"))
+    )
+    assert (len(first["losses"]), len(second["losses"]), len(third["losses"])) == (10, 7, 4)
+    for run, start in ((first, 0), (second, 3), (third, 6)):
+        diffs = [rel_diff(a, b) for a, b in zip(run["losses"], ref["losses"][start:], strict=True)]
+        assert max(diffs) <= RTOL, f"resumed at step {start + 1}: relative loss differences {diffs}"
+    bad = {name: diff for name, diff in weight_diffs(third["weights"], ref["weights"]).items() if not diff <= RTOL}
+    assert not bad, f"weights differ by more than {RTOL} of their norm: {bad}"

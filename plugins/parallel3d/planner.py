@@ -17,12 +17,14 @@ chunks, the way the engine builds it. Then, in bytes:
   core's outputs. Plus the backward's working set: the loss's float32 softmax over the logits and
   one decoder layer's activations;
 - comm: ZeRO-1/2's exchange of updated rows (this rank's rows and everyone's, one piece of about
-  `exchange_buffer_bytes` at a time, at the optimizer step) and ZeRO-2's two buckets of staging
-  (and their reduced copies) during backward;
+  `exchange_buffer_bytes` at a time, at the optimizer step) and ZeRO-2's staging during backward:
+  two buckets (a parameter larger than `ddp_bucket_cap_mb` is a bucket of its own) and one reduced
+  share, which fill as backward frees activations, after the loss's working set is gone;
 - optimizer step: the optimizer's float32 temporaries (`step_temporaries_per_element`: AdamW's
   multi-tensor kernel builds one per element, the fused kernel none).
 
-total = params + grads + optimizer + max(activations + ZeRO-2 staging, exchange + optimizer step):
+total = params + grads + optimizer + max(backward, exchange + optimizer step), where backward =
+max(activations, activations - the loss's working set + ZeRO-2 staging):
 backward's peak and the optimizer step's do not overlap (activations are freed before the step).
 """
 
@@ -84,10 +86,11 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
             local_chunks, _ = keep_rank_part(model, pp, pp_rank, par.pp_virtual_stages, ep, 0)
             params = {id(p): p for p in model.parameters()}.values()
             param_bytes = sum(p.numel() for p in params) * dtype_bytes
-            grads = optimizer = updated = exchange = largest = 0
+            grads = optimizer = updated = exchange = largest = largest_grad = 0
             for p in params:
                 if not p.requires_grad:
                     continue
+                largest_grad = max(largest_grad, p.numel() * grad_bytes)
                 group = edp if is_expert(p) else dcp
                 share = _row_elements(p, group) if sharded_state else p.numel()
                 grads += (_row_elements(p, group) if shards_grads else p.numel()) * grad_bytes
@@ -99,15 +102,19 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
                     largest = max(largest, p.numel() * dtype_bytes * (group + 1) / group)
             if exchange_piece is not None and exchange:  # exchanged in pieces of about exchange_piece bytes
                 exchange = min(exchange, exchange_piece * (dcp + 1) / dcp + largest)
-            activations = None
+            activations, loss_working = None, 0.0
             if declared is not None:
-                activations = _activations(
+                activations, loss_working = _activations(
                     declared, local_chunks, model, par, tp, sequence_parallel, in_flight[pp_rank], mb_tokens, dtype_bytes
                 )
-            # ZeRO-2: two buckets of staging (one reducing, one filling) and the reduced share of one
-            staging = min(2 * bucket_bytes, grads * dcp) * (1 + 1 / dcp) if shards_grads and dcp > 1 else 0
+            # ZeRO-2: two buckets of staging (one reducing, one filling; a parameter larger than a bucket is
+            # a bucket of its own) and the reduced share of one. They fill as backward frees activations,
+            # after the loss's working set is gone.
+            staging = 0.0
+            if shards_grads and dcp > 1:
+                staging = min(2 * max(bucket_bytes, largest_grad), grads * dcp) * (1 + 1 / dcp)
             step_phase = exchange + updated * 4 * step_temporaries  # the optimizer step, activations gone
-            backward_phase = (activations or 0) + staging
+            backward_phase = max(activations or 0, (activations or 0) - loss_working + staging)
             total = param_bytes + grads + (optimizer or 0) + max(backward_phase, step_phase)
             ranks.append(
                 {
@@ -171,8 +178,9 @@ def _activations(
     in_flight: int,
     mb_tokens: float,
     dtype_bytes: int,
-) -> float:
-    """Bytes of activations this rank holds at its peak (see the module docstring)."""
+) -> tuple[float, float]:
+    """Bytes of activations this rank holds at its peak (see the module docstring), and of those the
+    loss's working set, which exists only at the start of backward."""
     sp = tp if sequence_parallel else 1
     norms = declared["layer_norms"] / sp
     if sequence_parallel:
@@ -204,9 +212,8 @@ def _activations(
         per_chunk.append(elements)
     held = max(per_chunk) * in_flight if in_flight else 0.0
     working = layer  # backward of one layer (recomputed or not): its activations and their gradients
-    if is_last:
-        working += 2 * logits * 4 / dtype_bytes  # the float32 softmax of the logits and its gradient
-    return (held + working) * mb_tokens * dtype_bytes
+    loss = 2 * logits * 4 / dtype_bytes if is_last else 0.0  # the float32 softmax of the logits and its gradient
+    return (held + working + loss) * mb_tokens * dtype_bytes, loss * mb_tokens * dtype_bytes
 
 
 def _global_rank(pp_rank: int, tp_rank: int, tp: int, cp: int, pp: int) -> int:

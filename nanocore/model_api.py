@@ -21,7 +21,10 @@ The module must provide:
   rows of the vocabulary; its output stays vocab-sharded into the loss). Model code must derive head
   counts from tensor shapes (`view(b, s, -1, head_dim)`), never from the config, so that TP works.
 - `init_parameter(name: str, tensor: Tensor, generator: torch.Generator) -> None`: fill the full
-  tensor for parameter `name` in place using only `generator` for randomness.
+  tensor for parameter `name` in place using only `generator` for randomness. A model whose rule
+  depends on the name only (not on the tensor's shape or position) sets `init_by_row_blocks = True`:
+  an engine may then hand it blocks of rows of a large parameter, each with its own generator, so a
+  rank builds only the rows it holds (LLaMA does).
 - `flops_per_token(sequence_length: int) -> float`: training FLOPs (forward + backward) per token.
 - `vocab_size: int` (the padded size the embedding has), `true_vocab_size: int` (the tokenizer's;
   logits at and beyond it are padding the engine masks out), `tied_parameters: list[tuple[str, str]]`

@@ -276,6 +276,7 @@ class LlamaForCausalLM(TiedWeightsMixin, nn.Module):
         # What engines may do to the sequence (nanocore.sequence_api): split it over context-parallel
         # ranks, mask attention between packed documents.
         self.sequence_features = {"context_parallel", "document_masking"}
+        self.init_by_row_blocks = True  # init_parameter fills any block of rows alike (by name only)
         self.selective_recompute_modules = [f"{layers}.self_attn.core"]
         self.tp_plan: dict[str, Any] = {
             "model.embed_tokens": "vocab_embedding",

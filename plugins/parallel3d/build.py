@@ -2,7 +2,8 @@
 
 Order (fixed, like torchtitan's): build on meta (`meta_model`) -> tensor parallel (the engine
 applies the model's TP plan, `tensor_parallel.parallelize`) -> `build_local_model`: expert parallel (keep this rank's experts of each MoE layer) -> pipeline cut (keep this rank's chunks) -> materialise (each parameter initialised as the *full*
-tensor from a generator seeded by (seed, name), then sliced by its Placement) -> re-tie.
+tensor from a generator seeded by (seed, name), then sliced by its Placement; a large tensor in blocks
+of rows, only those a rank holds, where the model allows it) -> re-tie.
 
 The vocabulary is padded for this layout (`vocab_multiple`); the placements of the parameters the
 model declares in `vocab_parameters` say which rows are real, so checkpoints hold only those.
@@ -10,6 +11,7 @@ model declares in `vocab_parameters` say which rows are real, so checkpoints hol
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
@@ -39,6 +41,11 @@ class LocalModel:
     replica_of_tied: set[str]  # local names that are copies of a tied parameter owned by another stage
     moe_layers: list[str] = attrs.field(factory=list)  # every MoE layer of the whole model, local or not
     moe_experts: int = 0  # the most experts of any MoE layer (the width of the routing statistics)
+
+
+# Parameters larger than this (elements) are initialised in blocks of rows of about this size, where
+# the model allows it (`init_by_row_blocks`): see `_initial_values`.
+INIT_BLOCK_ELEMENTS = 2**22
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -178,13 +185,40 @@ def _materialise(
         for key, value in extras.get(name, {}).items():
             setattr(param, key, value)  # attributes set by parallelisation (placements, grad groups)
         set_placement(param, placements[name])
+    by_rows = bool(getattr(root, "init_by_row_blocks", False))
     for name, param in model.named_parameters():
         placement = placements[name]
-        init_name = canonical[name]
-        full = torch.empty(placement.full_shape, dtype=torch.float32)
-        generator = torch.Generator().manual_seed(param_seed(seed, init_name))
-        root.init_parameter(init_name, full, generator)
-        piece = full[placement.slices(tuple(param.shape))]
+        piece = _initial_values(root, canonical[name], placement, tuple(param.shape), seed, by_rows)
+        param.data = piece.to(device=param.device, dtype=dtype).contiguous()
+
+
+def _initial_values(
+    root: nn.Module, name: str, placement: Placement, local_shape: tuple[int, ...], seed: int, by_rows: bool
+) -> torch.Tensor:
+    """This rank's piece of parameter `name`'s initial values, in float32, the same at every layout.
+
+    A tensor of up to INIT_BLOCK_ELEMENTS is filled whole from one generator seeded by (seed, name).
+    A larger one, where the model fills any block of rows alike (`init_by_row_blocks`), is filled in
+    blocks of rows of that size, block b from a generator seeded by (seed, name, b): a rank fills only
+    the blocks its rows overlap and never holds more than one block besides its piece.
+    """
+    full_shape = placement.full_shape
+    per_row = math.prod(full_shape[1:]) if full_shape else 1
+    seed_of_name = param_seed(seed, name)
+    if not by_rows or not full_shape or full_shape[0] * per_row <= INIT_BLOCK_ELEMENTS:
+        full = torch.empty(full_shape, dtype=torch.float32)
+        root.init_parameter(name, full, torch.Generator().manual_seed(seed_of_name))
+        piece = full[placement.slices(local_shape)]
         # a row slice is a contiguous view of `full`: copy it, or the rank would keep the whole tensor alive
-        copy = piece.numel() != full.numel()
-        param.data = piece.to(device=param.device, dtype=dtype, copy=copy).contiguous()
+        return piece.clone() if piece.numel() != full.numel() else piece
+    index = placement.slices(local_shape)
+    first, last = index[0].start, index[0].stop
+    block = max(1, INIT_BLOCK_ELEMENTS // per_row)
+    out = torch.empty(local_shape, dtype=torch.float32)
+    for b in range(first // block, -(-last // block)):
+        start, stop = b * block, min(full_shape[0], (b + 1) * block)
+        values = torch.empty((stop - start, *full_shape[1:]), dtype=torch.float32)
+        root.init_parameter(name, values, torch.Generator().manual_seed(param_seed(seed_of_name, f"rows {b}")))
+        lo, hi = max(first, start), min(last, stop)
+        out[lo - first : hi - first] = values[(slice(lo - start, hi - start), *index[1:])]
+    return out

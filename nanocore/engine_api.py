@@ -102,6 +102,9 @@ class TrainableParam:
     # gradients over `dp` (a ZeRO stage registered with `shards_gradients=True`; the rows are
     # `nanocore.sharding.row_share(param.shape, dp.size, dp.rank)`). None: `grad` is the whole parameter's.
     grad_rows: tuple[int, int] | None = None
+    # ZeRO-3 (`shards_parameters=True`): the tensor holding this rank's rows (`grad_rows`) of the
+    # parameter, which is whole only while a block runs; the stage updates these rows in place.
+    param_rows: Any = None
 
 
 class ZeroOptimizer(Protocol):

@@ -35,6 +35,7 @@ from .grads import GradBuffers
 from .loss import cross_entropy
 from .pipeline import PipelineExecutor
 from .sharded_grads import ShardedGradBuffers
+from .sharded_params import ShardedParams
 from .tensor_parallel import parallelize as tp_parallelize
 from .tensor_parallel import tp_grad_sync, tp_owned_parameters, vocab_parallel_cross_entropy
 
@@ -118,6 +119,18 @@ class Engine3D:
             after_backward=self.grads.after_backward,
             sequence=self.sequence,
         )
+        self.sharded_params: ShardedParams | None = None
+        if self._zero_entry().extras.get("shards_parameters"):  # ZeRO-3: rows at rest, blocks whole in use
+            ctx = self.ctx
+            trainable = list({id(p): p for p in self.model.parameters() if p.requires_grad}.values())
+            self.sharded_params = ShardedParams(
+                self.executor.chunk_modules,
+                trainable,
+                lambda p: (
+                    (ctx.edp_group, ctx.edp, ctx.edp_rank) if is_expert(p) else (ctx.dcp_group, ctx.dcp, ctx.dcp_rank)
+                ),
+            )
+            self.executor.params = self.sharded_params
 
     def _setup_sequence(self) -> None:
         """Context parallelism and document masking: hand the model the ring-attention runtime (whether
@@ -174,8 +187,7 @@ class Engine3D:
         dtype = torch.float32 if accumulate_fp32 else self.dtype
         bucket_bytes = self.config.model.ddp_bucket_cap_mb * 2**20
         # context-parallel ranks hold the same weights: they count as data-parallel replicas
-        zero = self.registries.zero_stage.get(str(self.config.optimizer.zero_stage))
-        if zero.extras.get("shards_gradients"):  # ZeRO-2: each rank keeps its rows of every gradient
+        if self._zero_entry().extras.get("shards_gradients"):  # ZeRO-2: each rank keeps its rows of every gradient
             self.grads = ShardedGradBuffers(
                 chunk_params,
                 dtype=dtype,
@@ -198,6 +210,9 @@ class Engine3D:
             )
         self.tied_split = self._tied_local()
         self.writer = self._writers(dict(self.model.named_parameters()))
+
+    def _zero_entry(self) -> Entry:
+        return self.registries.zero_stage.get(str(self.config.optimizer.zero_stage))
 
     def _writers(self, params: dict[str, torch.nn.Parameter]) -> dict[str, bool]:
         """Exactly one rank of each replica group writes (and counts in the grad norm) each piece:
@@ -226,9 +241,10 @@ class Engine3D:
                     grad=p.main_grad,
                     placement=get_placement(p),
                     writer=self.writer[name],
-                    weight_decay=p.dim() >= 2,
+                    weight_decay=len(getattr(p, "zero3_shape", p.shape)) >= 2,  # ZeRO-3: empty at rest
                     dp=self.edp if is_expert(p) else None,
                     grad_rows=getattr(p, "main_grad_rows", None) if self.grads.sharded else None,
+                    param_rows=getattr(p, "zero3_shard", None) if self.sharded_params is not None else None,
                 )
             )
         self.trainables, self.frozen = trainables, frozen
@@ -267,7 +283,11 @@ class Engine3D:
         # auxiliary losses: the mean over micro-batches. Each cp rank back-propagates the micro-batch's
         # loss through its own tokens only and DP x CP averages, so each gets cp times the weight.
         self.runtime.grad_scale = self.ctx.cp / len(micro_batches)
-        local = self.executor.run(micro_batches, train=True)
+        try:
+            local = self.executor.run(micro_batches, train=True)
+        finally:
+            if self.sharded_params is not None:
+                self.sharded_params.release_all()
         self.grads.finish()
         if self.ctx.tp > 1:  # sequence-parallel replicated params, kv heads shared by several ranks
             tp_grad_sync(self.model, self.ctx.tp_group, grad_of=lambda p: getattr(p, "main_grad", None))
@@ -360,17 +380,25 @@ class Engine3D:
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
         self.model.eval()
-        local = self.executor.run(micro_batches, train=False)
+        try:
+            local = self.executor.run(micro_batches, train=False)
+        finally:
+            if self.sharded_params is not None:
+                self.sharded_params.release_all()
         self.model.train()
         return self._global_mean(local)
 
     # -- checkpoints ----------------------------------------------------------------------
     def model_shards(self) -> list[ShardedTensor]:
-        return [
-            ShardedTensor(t.name, t.param.detach(), t.placement, trained=t.param.requires_grad)
-            for t in (*self.trainables, *self.frozen)
-            if self._writes_model(t.param, t.writer)
-        ]
+        out = []
+        for t in (*self.trainables, *self.frozen):
+            if t.param_rows is not None:  # ZeRO-3: every data-parallel rank writes its rows
+                rows = _rows_placement(t)
+                if t.writer and rows is not None:
+                    out.append(ShardedTensor(t.name, rows[1], rows[0], trained=True))
+            elif self._writes_model(t.param, t.writer):
+                out.append(ShardedTensor(t.name, t.param.detach(), t.placement, trained=t.param.requires_grad))
+        return out
 
     def optimizer_shards(self) -> list[ShardedTensor]:
         return self.optimizer.state_shards()
@@ -378,6 +406,11 @@ class Engine3D:
     @torch.no_grad()
     def load_model(self, reader: ShardReader) -> None:
         for t in (*self.trainables, *self.frozen):
+            if t.param_rows is not None:  # ZeRO-3: read this rank's rows only
+                rows = _rows_placement(t)
+                if rows is not None:
+                    rows[1].copy_(reader.read(t.name, rows[0], tuple(rows[1].shape), dtype=t.param_rows.dtype))
+                continue
             t.param.copy_(reader.read(t.name, t.placement, tuple(t.param.shape), dtype=t.param.dtype))
         if self.optimizer is not None:
             self.optimizer.refresh_master_weights()
@@ -391,15 +424,15 @@ class Engine3D:
 
     def memory_estimate(self) -> dict[str, int | None]:
         """This rank's bytes for parameters, gradient buffers and (expected) optimizer state."""
-        params = {id(p): p for p in self.model.parameters()}.values()
+        params = [getattr(p, "zero3_shard", p) for p in {id(p): p for p in self.model.parameters()}.values()]
         states = self._states_per_element
         optimizer = None
         if states is not None and hasattr(self.optimizer, "expected_state_bytes"):
             optimizer = int(self.optimizer.expected_state_bytes(states))
         return {
-            "parameters": sum(p.numel() for p in params),
+            "parameters": sum(p.numel() for p in params),  # ZeRO-3: this rank's rows
             "written_parameters": sum(
-                _real_numel(t) for t in (*self.trainables, *self.frozen) if self._writes_model(t.param, t.writer)
+                _real_numel(piece.tensor, piece.placement) for piece in self.model_shards()
             ),
             "params_bytes": sum(p.numel() * p.element_size() for p in params),
             "grads_bytes": self.grads.buffer.numel() * self.grads.buffer.element_size(),
@@ -428,9 +461,11 @@ class Engine3D:
         """Drop everything that holds a process group (TP layers, buffers, optimizer), then destroy them."""
         if getattr(self, "grads", None) is not None:
             self.grads.close()
+        if getattr(self, "sharded_params", None) is not None:
+            self.sharded_params.close()
         held = (
             "model", "local", "executor", "grads", "optimizer", "trainables", "frozen", "tied_split", "tp_mode",
-            "_flops_model", "runtime", "moe_local", "edp", "dcp", "sequence",
+            "_flops_model", "runtime", "moe_local", "edp", "dcp", "sequence", "sharded_params",
         )
         for name in held:
             if hasattr(self, name):
@@ -464,9 +499,20 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.
     return torch.stack(norms).pow(2).sum()
 
 
-def _real_numel(t: TrainableParam) -> int:
+def _rows_placement(t: TrainableParam):
+    """(placement, tensor) of this rank's ZeRO-3 rows of `t`, or None when it holds none."""
+    start, length = t.param.zero3_rows
+    if length == 0:
+        return None
+    if not t.param.zero3_shape:  # a scalar: rank 0's
+        return t.placement, t.param_rows.reshape(())
+    placement, _ = t.placement.narrow(0, start, length, t.param.zero3_shape)
+    return placement, t.param_rows
+
+
+def _real_numel(tensor: torch.Tensor, placement) -> int:
     """Elements of a parameter piece that are the model's, not vocabulary padding of this layout."""
-    if t.param.dim() == 0 or t.param.shape[0] == 0:
-        return t.param.numel()
-    rows = t.param.shape[0]
-    return t.param.numel() // rows * t.placement.real_rows(rows)
+    if tensor.dim() == 0 or tensor.shape[0] == 0:
+        return tensor.numel()
+    rows = tensor.shape[0]
+    return tensor.numel() // rows * placement.real_rows(rows)

@@ -8,6 +8,7 @@ never block, receives block until needed, so a rank stalls exactly when the simu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -86,6 +87,7 @@ class PipelineExecutor:
         self.recompute = recompute
         self.on_final_backward = on_final_backward
         self.after_backward = after_backward
+        self.params = None  # ZeRO-3's ShardedParams: gathers each block's parameters around its use
         self.p2p = P2P(ctx, dtype)
         self.last_stage = local.num_virtual_stages - 1
         self._actions: dict[int, list[Action]] = {}
@@ -100,12 +102,20 @@ class PipelineExecutor:
 
     def _run_chunk(self, c: int, x: torch.Tensor, grad: bool) -> torch.Tensor:
         stage = self.local.chunk_ids[c]
+        params = self.params
         for b, block in enumerate(self.chunk_modules[c]):
+            if params is not None:  # ZeRO-3: this block whole now, the next one on its way
+                params.gather(c, b)
+                params.prefetch(c, b + 1)
             first_or_last = (stage == 0 and b == 0) or (stage == self.last_stage and b == len(self.chunk_modules[c]) - 1)
             if grad and self.recompute and not first_or_last:
                 x = checkpoint(_apply_block, block, x, use_reentrant=False)
             else:
                 x = _apply_block(block, x)
+            if params is not None:
+                params.release(c, b)
+                if grad and x.requires_grad:  # whole again just before this block's backward
+                    x.register_hook(functools.partial(_before_backward, params, c, b))
         return x
 
     def _owner(self, stage: int) -> int:
@@ -173,6 +183,11 @@ class PipelineExecutor:
         self.on_final_backward(None)
         self.p2p.wait_all()
         return total
+
+
+def _before_backward(params, c: int, b: int, grad: torch.Tensor) -> None:
+    params.gather(c, b)
+    params.prefetch(c, b - 1)
 
 
 def _apply_block(modules: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:

@@ -38,12 +38,16 @@ class _Slot:
 
     def __init__(self, t: TrainableParam, start: int, length: int, sharded: bool, dp):
         self.t, self.start, self.length, self.dp = t, start, length, dp
-        whole = not sharded or t.param.dim() == 0
+        whole = not sharded or (t.param_rows is None and t.param.dim() == 0)
         local_shape = tuple(t.param.shape)
         grad_is_rows = t.grad_rows is not None  # the engine reduce-scattered: `grad` holds these rows only
         if whole:
             self.placement, self.shape = t.placement, local_shape
             param_view, grad_view = t.param.data, t.grad
+        elif t.param_rows is not None:  # ZeRO-3: the parameter is whole only while in use; its rows live here
+            full_shape = tuple(t.param.zero3_shape)
+            self.placement, self.shape = t.placement.narrow(0, start, length, full_shape)
+            param_view, grad_view = t.param_rows, t.grad
         else:
             self.placement, self.shape = t.placement.narrow(0, start, length, local_shape)
             param_view = t.param.data.narrow(0, start, length)
@@ -83,15 +87,16 @@ class ZeroOptimizer:
         by_group: dict[tuple[int, torch.dtype], list[TrainableParam]] = {}
         for t in params:
             group = t.dp or dp  # expert weights: the ranks holding the same experts
-            if sharded and group.size > 1:
+            if sharded and group.size > 1 and t.param_rows is None:  # ZeRO-3's next gather reads the rows
                 by_group.setdefault((id(group), t.param.dtype), []).append(t)
             if t.grad_rows is not None:
                 if not sharded:
                     raise PluginError("a replicated ZeRO stage got reduce-scattered gradients (TrainableParam.grad_rows)")
                 start, length = t.grad_rows
-                if (start, length) != row_share(tuple(t.param.shape), group.size, group.rank):
+                shape = tuple(t.param.zero3_shape) if t.param_rows is not None else tuple(t.param.shape)
+                if (start, length) != row_share(shape, group.size, group.rank):
                     raise PluginError(f"{t.name}: the engine's gradient rows {t.grad_rows} are not this rank's share")
-                if t.param.dim() == 0 and length == 0:
+                if len(shape) == 0 and length == 0:
                     continue  # a scalar is rank 0's to update; the others receive it in the exchange
             elif sharded and t.param.dim() > 0:
                 start, length = row_share(tuple(t.param.shape), group.size, group.rank)

@@ -1,5 +1,6 @@
 """Registers ZeRO stages '0' (replicated optimizer state), '1' (state sharded over data parallel) and
-'2' (state and reduced gradients sharded: the engine reduce-scatters gradients during backward)."""
+'2' (state and reduced gradients sharded: the engine reduce-scatters gradients during backward) and
+'3' (parameters sharded too: the engine gathers each pipeline block's parameters around its use)."""
 
 from __future__ import annotations
 
@@ -31,4 +32,11 @@ def register_zero_stages(registry):
         description="ZeRO-1 plus gradients reduce-scattered during backward: each rank keeps only its rows",
         shards_gradients=True,
         exchange_buffer_bytes=EXCHANGE_BYTES,
+    )
+    registry.register(
+        "3",
+        sharded,
+        description="ZeRO-2 plus parameters sharded at rest: each pipeline block's gathered around its use",
+        shards_gradients=True,
+        shards_parameters=True,
     )

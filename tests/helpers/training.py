@@ -93,7 +93,11 @@ def _train(raw: dict, world_size: int, extra_plugins: tuple = ()) -> dict:
         losses = trainer.train()
         pieces = [(s.name, s.tensor.detach().cpu().clone(), s.placement) for s in trainer.engine.model_shards()]
         state_bytes = trainer.engine.optimizer.state_bytes()
-        memory = {**trainer.engine.memory_estimate(), "grads_held_bytes": _gradient_bytes_held(trainer.engine)}
+        memory = {
+            **trainer.engine.memory_estimate(),
+            "grads_held_bytes": _gradient_bytes_held(trainer.engine),
+            "params_held_bytes": _parameter_bytes_held(trainer.engine),
+        }
     finally:
         trainer.close()
     # Shutting down must leave no process group alive: a live gloo group's threads outlive the run
@@ -101,6 +105,17 @@ def _train(raw: dict, world_size: int, extra_plugins: tuple = ()) -> dict:
     ctx = getattr(trainer.engine, "ctx", None)
     assert ctx is None or ctx.live_groups() == 0, f"{ctx.live_groups()} process group(s) outlived shutdown"
     return {"losses": losses, "pieces": pieces, "state_bytes": state_bytes, "metrics": recorder.rows, "memory": memory}
+
+
+def _parameter_bytes_held(engine) -> int:
+    """Bytes of parameter storage this rank keeps between steps (ZeRO-3: its rows; whole tensors are
+    gone), counting each storage once."""
+    storages = {}
+    for p in engine.model.parameters():
+        for t in (p.data, getattr(p, "zero3_shard", None)):
+            if t is not None and t.numel():
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def _gradient_bytes_held(engine) -> int:

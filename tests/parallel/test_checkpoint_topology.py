@@ -75,11 +75,13 @@ def test_resume_at_another_layout_continues_the_loss_curve(case, tmp_path, tmp_p
     assert not bad, f"{case}: weights differ by more than {RTOL} of their norm: {bad}"
 
 
-def test_resume_across_zero_stages_and_sizes(tmp_path, tmp_path_factory):
-    """ZeRO-2 at dp4 -> ZeRO-1 at dp2 -> one process: reduce-scattered gradients leave the same
-    optimizer state pieces, so each hop continues the uninterrupted run's losses."""
+@pytest.mark.parametrize("first_stage", [2, 3])
+def test_resume_across_zero_stages_and_sizes(first_stage, tmp_path, tmp_path_factory):
+    """ZeRO-2 or ZeRO-3 at dp4 -> ZeRO-1 at dp2 -> one process: every stage saves its pieces with their
+    place in the full tensor (ZeRO-3 each rank's rows of the weights too), so each hop continues the
+    uninterrupted run's losses."""
     ref = reference(tmp_path_factory)
-    first = run_training(config(tmp_path / "a", layout(dp=4, zero=2), checkpoint_interval=3), 4)
+    first = run_training(config(tmp_path / "a", layout(dp=4, zero=first_stage), checkpoint_interval=3), 4)
     second = run_training(
         config(tmp_path / "b", layout(dp=2, zero=1), checkpoint_interval=3, resume_checkpoint_path=str(tmp_path / "a" / "checkpoints" / "3")),
         2,

@@ -74,6 +74,8 @@ LAYOUTS = {
     ),
     # ZeRO-2: expert gradients reduce-scattered over the 2 ranks holding the same experts, the rest over dp4
     "ep2_dp4_zero2": (layout(dp=4, expert_parallel_size=2), {"optimizer": {"zero_stage": 2}}),
+    # ZeRO-3: expert weights' rows over their 2 replicas, gathered per block like the rest
+    "ep2_dp4_zero3": (layout(dp=4, expert_parallel_size=2), {"optimizer": {"zero_stage": 3}}),
     "ep1_dp2": (layout(dp=2), {}),  # experts replicated over DP: the plain data-parallel path
 }
 

@@ -1,0 +1,178 @@
+"""ZeRO-3: each data-parallel rank keeps only its rows of every trainable parameter between uses.
+
+At rest a parameter's `.data` is an empty tensor and `shard` holds this rank's rows
+(`row_share`, the cut the optimizer and the gradient buffers use). The pipeline executor asks for a
+block's parameters before the block runs (`gather`: one all-gather of every rank's rows of the
+block's parameters, padded to the largest rank's share) and hands them back after its forward
+(`release`). A hook on the block's output gathers them again just before the block's backward; each
+parameter is released as soon as autograd has accumulated its gradient (after which this backward
+no longer needs it). The next block's gather is started while the current block runs (prefetch),
+so at most two blocks are whole at a time.
+
+Gradients are reduce-scattered as under ZeRO-2 (`ShardedGradBuffers`); the optimizer steps the
+shards in place, so there is no exchange of updated rows: the next gather reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from nanocore.sharding import all_gather_single, row_share
+
+
+class _BlockGather:
+    """The layout of one block's all-gather: each rank's rows of each parameter, side by side."""
+
+    def __init__(self, params: list[nn.Parameter], size: int, rank: int, group):
+        self.params, self.size, self.rank, self.group = params, size, rank, group
+        self.row_numel = [_rows_view_numel(p) for p in params]
+        self.places: list[list[tuple[int, int, int]]] = []  # per rank: (offset, start row, rows) of each param
+        widths = []
+        for q in range(size):
+            offset, place = 0, []
+            for p, per_row in zip(params, self.row_numel, strict=True):
+                start, rows = row_share(tuple(p.zero3_shape), size, q)
+                place.append((offset, start, rows))
+                offset += rows * per_row
+            self.places.append(place)
+            widths.append(offset)
+        self.width = max(widths)
+        self.pending = None  # (work, out) of a prefetch
+
+
+def _rows_view_numel(p: nn.Parameter) -> int:
+    shape = p.zero3_shape
+    if not shape:
+        return 1
+    return int(torch.Size(shape[1:]).numel()) if shape[0] else 0
+
+
+class ShardedParams:
+    """Owns where ZeRO-3 parameters live; see the module docstring."""
+
+    def __init__(
+        self,
+        chunk_modules: list[list[list[nn.Module]]],
+        trainable: list[nn.Parameter],
+        group_of: Callable[[nn.Parameter], tuple[object, int, int]],
+    ):
+        """`group_of(p)` -> (group, size, rank) of the data-parallel ranks holding replicas of `p`."""
+        self.empty: dict[tuple, torch.Tensor] = {}
+        wanted = {id(p) for p in trainable}
+        self.params: list[nn.Parameter] = []
+        for p in trainable:
+            group, size, rank = group_of(p)
+            p.zero3_shape = tuple(p.shape)
+            rows = p.data.reshape(1) if p.dim() == 0 else p.data
+            start, length = row_share(p.zero3_shape, size, rank)
+            p.zero3_shard = rows.narrow(0, start, length).clone()
+            p.zero3_rows = (start, length)
+            p.zero3_whole = False
+            self.params.append(p)
+        # per chunk, per block: one gather per replica group (expert weights have their own)
+        self.blocks: list[list[list[_BlockGather]]] = []
+        seen_in_block: dict[tuple[int, int], list[nn.Parameter]] = {}
+        for c, chunk in enumerate(chunk_modules):
+            row = []
+            for b, modules in enumerate(chunk):
+                params, ids = [], set()
+                for module in modules:
+                    for p in module.parameters():
+                        if id(p) in wanted and id(p) not in ids:
+                            ids.add(id(p))
+                            params.append(p)
+                seen_in_block[(c, b)] = params
+                by_group: dict[int, list[nn.Parameter]] = {}
+                groups: dict[int, tuple] = {}
+                for p in params:
+                    g = group_of(p)
+                    by_group.setdefault(id(g[0]), []).append(p)
+                    groups[id(g[0])] = g
+                row.append([_BlockGather(ps, groups[k][1], groups[k][2], groups[k][0]) for k, ps in by_group.items()])
+            self.blocks.append(row)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._release_one) for p in self.params]
+        for p in self.params:
+            self._free(p)
+
+    # -- at rest and whole ---------------------------------------------------------------
+    def _free(self, p: nn.Parameter) -> None:
+        key = (p.dtype, p.device)
+        if key not in self.empty:
+            self.empty[key] = torch.empty(0, dtype=p.dtype, device=p.device)
+        p.data = self.empty[key]
+        p.zero3_whole = False
+
+    def _release_one(self, p: nn.Parameter) -> None:
+        """Autograd has accumulated p's gradient: this backward needs p no more."""
+        self._free(p)
+
+    def gather(self, c: int, b: int) -> None:
+        """Make block b of chunk c whole (waiting for its prefetch if one was started)."""
+        for gather in self.blocks[c][b]:
+            self._finish(gather, self._start(gather) if gather.pending is None else gather.pending)
+            gather.pending = None
+
+    def prefetch(self, c: int, b: int) -> None:
+        """Start gathering block b of chunk c (the next to run) without waiting."""
+        if not (0 <= c < len(self.blocks) and 0 <= b < len(self.blocks[c])):
+            return
+        for gather in self.blocks[c][b]:
+            if gather.pending is None and not all(p.zero3_whole for p in gather.params):
+                gather.pending = self._start(gather, async_op=True)
+
+    def release(self, c: int, b: int) -> None:
+        for gather in self.blocks[c][b]:
+            for p in gather.params:
+                self._free(p)
+
+    def release_all(self) -> None:
+        for row in self.blocks:
+            for block in row:
+                for gather in block:
+                    if gather.pending is not None:
+                        gather.pending[0].wait()
+                        gather.pending = None
+        for p in self.params:
+            self._free(p)
+
+    def _start(self, gather: _BlockGather, async_op: bool = False):
+        if not gather.params:
+            return None, None
+        dtype, device = gather.params[0].dtype, gather.params[0].device
+        send = torch.zeros(gather.width, dtype=dtype, device=device)
+        for p, (offset, _, rows), per_row in zip(gather.params, gather.places[gather.rank], gather.row_numel, strict=True):
+            send[offset : offset + rows * per_row].copy_(p.zero3_shard.reshape(-1))
+        if gather.size == 1:
+            return None, send
+        out = torch.empty(gather.width * gather.size, dtype=dtype, device=device)
+        work = all_gather_single(out, send, group=gather.group, async_op=async_op)
+        return (work if async_op else None), out
+
+    def _finish(self, gather: _BlockGather, started) -> None:
+        work, out = started
+        if out is None:
+            return
+        if work is not None:
+            work.wait()
+        for i, p in enumerate(gather.params):
+            if p.zero3_whole:
+                continue
+            full = torch.empty(p.zero3_shape, dtype=p.dtype, device=p.device)
+            rows_of = full.reshape(1) if full.dim() == 0 else full
+            for q in range(gather.size):
+                offset, start, rows = gather.places[q][i]
+                if rows:
+                    base = q * gather.width + offset
+                    piece = out[base : base + rows * gather.row_numel[i]]
+                    rows_of.narrow(0, start, rows).copy_(piece.view(rows, *rows_of.shape[1:]))
+            p.data = full
+            p.zero3_whole = True
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.blocks.clear()

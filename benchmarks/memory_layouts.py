@@ -3,7 +3,7 @@
 Each layout runs nanocore's trainer (the built-in `3d` engine, gloo processes, 1 thread per rank,
 float32, random tokens) on the same model and global batch:
 
-- ZeRO stages 0, 1 and 2 at dp 4: where parameters, gradients and optimizer state live;
+- ZeRO stages 0, 1, 2 and 3 at dp 4: where parameters, gradients and optimizer state live;
 - recompute none, selective (the attention core) and full (whole decoder layers) at one process:
   what recomputation saves in activation memory and costs in time.
 
@@ -38,6 +38,7 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (parallelism + opt
     "zero0_dp4": ({"dp": 4, "zero_stage": 0}, 4),
     "zero1_dp4": ({"dp": 4, "zero_stage": 1}, 4),
     "zero2_dp4": ({"dp": 4, "zero_stage": 2}, 4),
+    "zero3_dp4": ({"dp": 4, "zero_stage": 3}, 4),
     "recompute_none": ({}, 1),
     "recompute_selective": ({"recompute_granularity": "selective"}, 1),
     "recompute_full": ({"recompute_granularity": "full"}, 1),

@@ -5,7 +5,9 @@ and context-parallel replicas hold the same, ZeRO shards within one row) the mod
 meta device, parallelised with that rank's TP coordinates and pruned to its experts and pipeline
 chunks, the way the engine builds it. Then, in bytes:
 
-- params: the rank's parameters x dtype size (tied pairs once per rank);
+- params: the rank's parameters x dtype size (tied pairs once per rank); ZeRO-3: its rows of every
+  trainable parameter, plus, while blocks run, two whole blocks (the running one and the prefetched
+  next) and one block's gather buffers;
 - grads: trainable elements x gradient dtype size (float32 under accumulate_grad_in_fp32); ZeRO-2
   keeps its rows only (`row_share` over the data-parallel group);
 - optimizer: `states_per_element` float32 tensors per element the rank updates (all of them at
@@ -59,6 +61,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
     edp = dcp // ep
     zero = registries.zero_stage.get(str(opt.zero_stage))
     shards_grads = bool(zero.extras.get("shards_gradients"))
+    shards_params = bool(zero.extras.get("shards_parameters"))
     sharded_state = opt.zero_stage >= 1
     optimizer_entry = registries.optimizer.get(opt.optimizer_factory.name)
     count = optimizer_entry.extras.get("states_per_element")
@@ -86,6 +89,14 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
             local_chunks, _ = keep_rank_part(model, pp, pp_rank, par.pp_virtual_stages, ep, 0)
             params = {id(p): p for p in model.parameters()}.values()
             param_bytes = sum(p.numel() for p in params) * dtype_bytes
+            gathered = 0.0
+            if shards_params:  # ZeRO-3: rows at rest; up to two blocks whole, and one block's gather buffers
+                param_bytes = sum(
+                    (_row_elements(p, edp if is_expert(p) else dcp) if p.requires_grad else p.numel()) * dtype_bytes
+                    for p in params
+                )
+                block = max(_block_bytes(model, blk, dtype_bytes) for chunk in local_chunks for blk in chunk)
+                gathered = block * (3 + 1 / dcp)
             grads = optimizer = updated = exchange = largest = largest_grad = 0
             for p in params:
                 if not p.requires_grad:
@@ -97,7 +108,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
                 updated += share
                 if states is not None:
                     optimizer += share * 4 * states + (share * 4 if dtype_bytes != 4 else 0)
-                if sharded_state and group > 1:  # own rows out, every rank's in
+                if sharded_state and group > 1 and not shards_params:  # own rows out, every rank's in
                     exchange += p.numel() * dtype_bytes * (group + 1) / group
                     largest = max(largest, p.numel() * dtype_bytes * (group + 1) / group)
             if exchange_piece is not None and exchange:  # exchanged in pieces of about exchange_piece bytes
@@ -114,7 +125,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
             if shards_grads and dcp > 1:
                 staging = min(2 * max(bucket_bytes, largest_grad), grads * dcp) * (1 + 1 / dcp)
             step_phase = exchange + updated * 4 * step_temporaries  # the optimizer step, activations gone
-            backward_phase = max(activations or 0, (activations or 0) - loss_working + staging)
+            backward_phase = max(activations or 0, (activations or 0) - loss_working + staging) + gathered
             total = param_bytes + grads + (optimizer or 0) + max(backward_phase, step_phase)
             ranks.append(
                 {
@@ -161,6 +172,16 @@ def _row_elements(p: torch.Tensor, group: int) -> int:
     _, rows = row_share(tuple(p.shape), group, 0)
     per_row = p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1
     return rows * per_row
+
+
+def _block_bytes(model, block: list[str], dtype_bytes: int) -> int:
+    """Bytes of a pipeline block's trainable parameters when whole."""
+    seen = {}
+    for name in block:
+        for p in model.get_submodule(name).parameters():
+            if p.requires_grad:
+                seen[id(p)] = p.numel()
+    return sum(seen.values()) * dtype_bytes
 
 
 def _activation_elements(model) -> dict[str, float] | None:

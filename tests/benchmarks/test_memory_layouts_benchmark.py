@@ -1,5 +1,6 @@
 """The ZeRO / recompute memory benchmark keeps working: every layout runs, the ZeRO stages take the
-same first step, and the engine's own account shows ZeRO-2 holding a quarter of the gradients at dp4
+same first step, and the engine's own account shows ZeRO-2 holding a quarter of the gradients and
+ZeRO-3 a quarter of the parameters at dp4
 (measured memory and speed are read by running it, not asserted)."""
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ def test_memory_layouts_benchmark_runs_every_layout(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {
-        "zero0_dp4", "zero1_dp4", "zero2_dp4", "recompute_none", "recompute_selective", "recompute_full",
+        "zero0_dp4", "zero1_dp4", "zero2_dp4", "zero3_dp4", "recompute_none", "recompute_selective", "recompute_full",
     }  # fmt: skip
     zero0, zero1, zero2 = rows["zero0_dp4"], rows["zero1_dp4"], rows["zero2_dp4"]
     assert zero1["grads_mib"] == zero0["grads_mib"]
     assert zero2["grads_mib"] == pytest.approx(zero0["grads_mib"] / 4, rel=0.05)
     assert zero1["optimizer_mib"] == pytest.approx(zero0["optimizer_mib"] / 4, rel=0.05)
-    assert zero0["losses"][0] == pytest.approx(zero2["losses"][0], rel=1e-5)
+    assert rows["zero3_dp4"]["params_mib"] == pytest.approx(zero0["params_mib"] / 4, rel=0.05)
+    assert zero0["losses"][0] == pytest.approx(zero2["losses"][0], rel=1e-5) == rows["zero3_dp4"]["losses"][0]
     assert all(r["planned_mib"] > 0 and r["peak_mib"] > 0 for r in rows.values())

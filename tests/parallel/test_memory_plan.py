@@ -33,6 +33,7 @@ LAYOUTS = {
     "one_process": ({}, {}),
     "dp2_zero1": ({"dp": 2}, {"zero_stage": 1}),
     "dp2_zero2": ({"dp": 2}, {"zero_stage": 2}),
+    "dp2_zero3": ({"dp": 2}, {"zero_stage": 3}),
     "tp2_reduce_scatter": ({"tp": 2, "tp_mode": "REDUCE_SCATTER"}, {}),
     "pp2_1f1b": ({"pp": 2, "pp_engine": "1f1b"}, {}),
     "pp2_interleaved": ({"pp": 2, "pp_engine": "interleaved", "pp_virtual_stages": 2}, {}),

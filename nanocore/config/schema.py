@@ -176,7 +176,8 @@ class OptimizerArgs:
     learning_rate_scheduler: LRSchedulerArgs = doc("LR schedule.", factory=LRSchedulerArgs)
     zero_stage: int = doc(
         "0 = replicated optimizer state; 1 = optimizer state sharded over data parallel; 2 = optimizer state "
-        "and gradients sharded (gradients reduce-scattered during backward). Stages are plugins.",
+        "and gradients sharded (gradients reduce-scattered during backward); 3 = parameters sharded too (each "
+        "pipeline block gathered around its use). Stages are plugins.",
         default=0,
     )
     weight_decay: float = doc("Decoupled weight decay (not applied to norms and biases).", default=0.0)

@@ -104,8 +104,8 @@ def test_layout_must_match_the_launch(registries, tmp_path):
 
 
 def test_zero_stage_nobody_provides(registries, tmp_path):
-    message = problems(registries, tmp_path, optimizer={"zero_stage": 3})
-    assert "optimizer.zero_stage: no plugin provides ZeRO stage 3; installed stages: 0, 1" in message
+    message = problems(registries, tmp_path, optimizer={"zero_stage": 4})
+    assert "optimizer.zero_stage: no plugin provides ZeRO stage 4; installed stages: 0, 1, 2, 3" in message
 
 
 def test_unknown_schedule_and_tp_mode_list_installed(registries, tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -103,8 +104,12 @@ def build_local_model(
     virtual_stages: int,
     ep_size: int = 1,
     ep_rank: int = 0,
+    rows_of: Callable[[nn.Parameter], tuple[int, int] | None] | None = None,
 ) -> LocalModel:
-    """This rank's part of `model` (a `meta_model`, tensor-parallel layers already swapped in)."""
+    """This rank's part of `model` (a `meta_model`, tensor-parallel layers already swapped in).
+
+    `rows_of(param)` -> (start, length), for ZeRO-3: materialise only those rows of the parameter
+    (its shape when whole is kept in `param.zero3_shape`, the rows in `param.zero3_rows`)."""
     tied = list(getattr(model, "tied_parameters", []))
     all_moe_layers = moe_layers(model)
     most_experts = max((int(model.get_submodule(n).num_experts) for n in all_moe_layers), default=0)
@@ -130,7 +135,7 @@ def build_local_model(
         if first in local and second in local:
             parent, attr = second.rsplit(".", 1)
             setattr(model.get_submodule(parent), attr, model.get_parameter(first))
-    _materialise(model, model, seed, placements, extras, canonical, dtype)
+    _materialise(model, model, seed, placements, extras, canonical, dtype, rows_of)
     return LocalModel(
         module=model,
         chunks=chunks,
@@ -180,6 +185,7 @@ def _materialise(
     extras: dict[str, dict],
     canonical: dict[str, str],
     dtype: torch.dtype,
+    rows_of: Callable[[nn.Parameter], tuple[int, int] | None] | None = None,
 ) -> None:
     for name, param in model.named_parameters(remove_duplicate=False):
         for key, value in extras.get(name, {}).items():
@@ -187,8 +193,12 @@ def _materialise(
         set_placement(param, placements[name])
     by_rows = bool(getattr(root, "init_by_row_blocks", False))
     for name, param in model.named_parameters():
-        placement = placements[name]
-        piece = _initial_values(root, canonical[name], placement, tuple(param.shape), seed, by_rows)
+        placement, shape = placements[name], tuple(param.shape)
+        rows = rows_of(param) if rows_of is not None and shape else None
+        if rows is not None:  # ZeRO-3: only this rank's rows of the parameter ever exist here
+            param.zero3_shape, param.zero3_rows = shape, rows
+            placement, shape = placement.narrow(0, rows[0], rows[1], shape)
+        piece = _initial_values(root, canonical[name], placement, shape, seed, by_rows)
         param.data = piece.to(device=param.device, dtype=dtype).contiguous()
 
 

@@ -24,7 +24,7 @@ from nanocore.engine_api import StepOutput, TrainableParam
 from nanocore.errors import PluginError
 from nanocore.moe_api import MoELayer
 from nanocore.registry import Entry, Registries
-from nanocore.sharding import get_placement
+from nanocore.sharding import get_placement, row_share
 from nanocore.tp_api import TPMode
 
 from .build import LocalModel, build_local_model, meta_model
@@ -98,6 +98,7 @@ class Engine3D:
             virtual_stages=par.pp_virtual_stages,
             ep_size=ctx.ep,
             ep_rank=ctx.ep_rank,
+            rows_of=self._zero3_rows if self._zero_entry().extras.get("shards_parameters") else None,
         )
         self.model = self.local.module
         if par.recompute == "selective":
@@ -210,6 +211,14 @@ class Engine3D:
             )
         self.tied_split = self._tied_local()
         self.writer = self._writers(dict(self.model.named_parameters()))
+
+    def _zero3_rows(self, p: torch.nn.Parameter) -> tuple[int, int] | None:
+        """ZeRO-3: the rows of trainable `p` this rank keeps (its replica group's `row_share`)."""
+        if not p.requires_grad:
+            return None
+        ctx = self.ctx
+        size, rank = (ctx.edp, ctx.edp_rank) if is_expert(p) else (ctx.dcp, ctx.dcp_rank)
+        return row_share(tuple(p.shape), size, rank)
 
     def _zero_entry(self) -> Entry:
         return self.registries.zero_stage.get(str(self.config.optimizer.zero_stage))

@@ -16,6 +16,7 @@ the same).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -24,12 +25,17 @@ from torch import nn
 from nanocore.sharding import reduce_scatter_single, row_share
 
 
+def full_shape(p: nn.Parameter) -> tuple[int, ...]:
+    """The parameter's shape on this rank when whole (ZeRO-3 builds only its rows: `zero3_shape`)."""
+    return tuple(getattr(p, "zero3_shape", p.shape))
+
+
 class _ShardBucket:
     def __init__(self, params: list[nn.Parameter], group, size: int, rank: int):
         self.params, self.group, self.size, self.rank = params, group, size, rank
-        shapes = [tuple(p.shape) for p in params]
+        shapes = [full_shape(p) for p in params]
         # elements per row (a 0-dim tensor is one row of one element)
-        self.row_numel = [p.numel() // s[0] if s and s[0] else (0 if s else 1) for p, s in zip(params, shapes, strict=True)]
+        self.row_numel = [math.prod(s[1:]) if s and s[0] else (0 if s else 1) for s in shapes]
         # segments[q] = [(param index, start row, rows, offset within rank q's segment)]
         self.segments: list[list[tuple[int, int, int, int]]] = []
         totals = []
@@ -90,7 +96,7 @@ class ShardedGradBuffers:
                 current, size = [], 0
                 for p in params:
                     current.append(p)
-                    size += p.numel() * torch.finfo(dtype).bits // 8
+                    size += math.prod(full_shape(p)) * torch.finfo(dtype).bits // 8
                     if size >= bucket_bytes:
                         mine.append(_ShardBucket(current, *groups[key]))
                         current, size = [], 0
@@ -109,12 +115,14 @@ class ShardedGradBuffers:
             for i, start, rows, at in bucket.segments[bucket.rank]:
                 p = bucket.params[i]
                 piece = bucket.view[at : at + rows * bucket.row_numel[i]]
-                p.main_grad = piece.view(()) if p.dim() == 0 else piece.view(rows, *p.shape[1:])
+                shape = full_shape(p)
+                p.main_grad = piece.view(()) if not shape else piece.view(rows, *shape[1:])
                 p.main_grad_rows = (start, rows)
             for p in bucket.params:
                 if not hasattr(p, "main_grad_rows"):  # this rank owns none of p's rows
-                    start, _ = row_share(tuple(p.shape), bucket.size, bucket.rank)
-                    p.main_grad = bucket.view[:0].view(0, *p.shape[1:]) if p.dim() else bucket.view[:0]
+                    shape = full_shape(p)
+                    start, _ = row_share(shape, bucket.size, bucket.rank)
+                    p.main_grad = bucket.view[:0].view(0, *shape[1:]) if shape else bucket.view[:0]
                     p.main_grad_rows = (start, 0)
             offset += bucket.width
 

@@ -65,11 +65,16 @@ class ShardedParams:
         self.params: list[nn.Parameter] = []
         for p in trainable:
             group, size, rank = group_of(p)
-            p.zero3_shape = tuple(p.shape)
-            rows = p.data.reshape(1) if p.dim() == 0 else p.data
-            start, length = row_share(p.zero3_shape, size, rank)
-            p.zero3_shard = rows.narrow(0, start, length).clone()
-            p.zero3_rows = (start, length)
+            if hasattr(p, "zero3_shape"):  # built as rows only (build_local_model's rows_of)
+                p.zero3_shard = p.data
+            else:  # built whole: keep this rank's rows
+                p.zero3_shape = tuple(p.shape)
+                rows = p.data.reshape(1) if p.dim() == 0 else p.data
+                start, length = row_share(p.zero3_shape, size, rank)
+                p.zero3_shard = rows.narrow(0, start, length).clone()
+                p.zero3_rows = (start, length)
+            if p.zero3_rows != row_share(p.zero3_shape, size, rank):
+                raise ValueError(f"ZeRO-3 rows {p.zero3_rows} of a {list(p.zero3_shape)} parameter are not this rank's")
             p.zero3_whole = False
             self.params.append(p)
         # per chunk, per block: one gather per replica group (expert weights have their own)

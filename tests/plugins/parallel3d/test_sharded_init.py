@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from nanocore.checkpoint.tensors import ShardReader, write_shards
 from nanocore.sharding import Placement, get_placement
 from nanocore_plugins.parallel3d import build
 from tests.helpers.distributed import run_ranks
@@ -51,8 +52,9 @@ def _kb(field: str) -> int:
     raise KeyError(field)
 
 
-def _init_peak(rank: int, world_size: int) -> dict:
-    """Build a 2.2 GB (float32) LLaMA at tp4 and measure what building this rank's part costs."""
+def _init_peak(rank: int, world_size: int, parallelism: dict, zero_stage: int, folder: str) -> dict:
+    """Build a 2.2 GB (float32) LLaMA on 4 ranks and measure what building this rank's part costs;
+    then save every rank's pieces to `folder` and measure what reading them back costs."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     from nanocore.config.converter import structure_config
     from nanocore.plugins import load_plugins
@@ -65,7 +67,13 @@ def _init_peak(rank: int, world_size: int) -> dict:
         "num_hidden_layers": 8, "vocab_size": 32000, "max_position_embeddings": 64,
     }  # fmt: skip
     registries = load_plugins().registries
-    raw = tiny_config(Path(tempfile.mkdtemp()), model={"model_config": model}, parallelism={"tp": 4})
+    raw = tiny_config(
+        Path(tempfile.mkdtemp()),
+        model={"model_config": model},
+        parallelism=parallelism,
+        optimizer={"zero_stage": zero_stage},
+        tokens={"batch_accumulation_per_replica": 1},
+    )
     config = structure_config(raw, registries)
     engine = Engine3D(config, registries)
     measured = {}
@@ -86,6 +94,24 @@ def _init_peak(rank: int, world_size: int) -> dict:
     engine_module.build_local_model = measured_build
     try:
         engine.setup_model(registries.model.get("llama"), config.model, config.general.seed)
+        engine_module.build_local_model = original
+        opt = config.optimizer
+        engine.setup_optimizer(
+            registries.optimizer.get(opt.optimizer_factory.name), registries.zero_stage.get(str(zero_stage)), opt
+        )
+        write_shards(Path(folder) / f"rank{rank}.safetensors", engine.model_shards())
+        engine.barrier()
+        before_values = [piece.tensor.clone() for piece in engine.model_shards()]
+        for piece in engine.model_shards():
+            piece.tensor.zero_()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _kb("VmRSS")
+        engine.load_model(ShardReader(Path(folder)))
+        measured["load_peak_bytes"] = (_kb("VmHWM") - before) * 1024
+        measured["loaded_back"] = all(
+            torch.equal(a, piece.tensor) for a, piece in zip(before_values, engine.model_shards(), strict=True)
+        )
     finally:
         engine_module.build_local_model = original
         engine.shutdown()
@@ -93,9 +119,13 @@ def _init_peak(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
-def test_a_rank_builds_only_its_share_of_a_2gb_model(monkeypatch):
+@pytest.mark.parametrize(("parallelism", "zero_stage"), [({"tp": 4}, 0), ({"dp": 4}, 3)], ids=["tp4", "dp4_zero3"])
+def test_a_rank_builds_only_its_share_of_a_2gb_model(parallelism, zero_stage, monkeypatch):
+    """At tp4 a rank holds a quarter of each split parameter; at dp4 under ZeRO-3 its rows of every
+    parameter. Either way it never builds a whole large tensor first."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed memory leaves the resident set
-    results = run_ranks(4, _init_peak, timeout=600)
+    folder = tempfile.mkdtemp(prefix="nanocore-2gb-")
+    results = run_ranks(4, _init_peak, parallelism, zero_stage, folder, timeout=600)
     total = sum(r["params_bytes"] for r in results)
     assert total > 2 * 2**30  # the ranks' pieces add up to a model above 2 GB (norms are on every rank)
     OVERHEAD = 64 * 2**20  # two blocks of INIT_BLOCK_ELEMENTS float32 values, and slack
@@ -103,3 +133,6 @@ def test_a_rank_builds_only_its_share_of_a_2gb_model(monkeypatch):
         assert r["peak_bytes"] <= 1.25 * r["params_bytes"] + OVERHEAD, r
         # what building the whole embedding before slicing it would have cost on top
         assert r["largest_full_bytes"] > 0.25 * r["params_bytes"] + OVERHEAD
+        # loading reads only this rank's rectangles (safetensors slices) into the tensors it has
+        assert r["loaded_back"]
+        assert r["load_peak_bytes"] <= 0.25 * r["params_bytes"] + OVERHEAD, r

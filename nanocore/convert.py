@@ -90,8 +90,26 @@ def hf_entry(registries: Registries, hf_config: dict[str, Any], folder: Path) ->
     )
 
 
-def read_hf_state(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files (one file, or shards listed by the index)."""
+class LazyTensor:
+    """One tensor of a safetensors file, read only where indexed: `lazy[rows, cols]` reads that
+    rectangle (safetensors slices), `lazy.shape` reads nothing. What a rank needs of a Hugging Face
+    folder's weights, without every rank holding every tensor."""
+
+    def __init__(self, file: Path, key: str):
+        self.file, self.key = file, key
+        with safe_open(str(file), framework="pt") as f:
+            self.shape = torch.Size(f.get_slice(key).get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        with safe_open(str(self.file), framework="pt") as f:
+            if index == () or not self.shape:
+                return f.get_tensor(self.key)[index]
+            return f.get_slice(self.key)[index]
+
+
+def read_hf_state(folder: Path, lazy: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files (one file, or shards listed by the index);
+    `lazy`: `LazyTensor`s, read where indexed."""
     index = folder / HF_INDEX
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
@@ -114,18 +132,23 @@ def read_hf_state(folder: Path) -> dict[str, torch.Tensor]:
             raise NanocoreError(f"{index} lists {file.name}, which is missing")
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                state[key] = f.get_tensor(key)
+                state[key] = LazyTensor(file, key) if lazy else f.get_tensor(key)
     return state
 
 
-def load_hf(folder: str | Path, registries: Registries) -> HFModel:
-    """Read an HF folder and convert it with the model plugin's `from_hf`; checks every tensor's shape."""
+def load_hf(folder: str | Path, registries: Registries, lazy: bool = False) -> HFModel:
+    """Read an HF folder and convert it with the model plugin's `from_hf`; checks every tensor's shape.
+
+    `lazy`: where the model plugin's `from_hf` only selects tensors (registry extra
+    `from_hf_selects_only=True`, as LLaMA's), the state holds `LazyTensor`s that read only the
+    rectangles asked for; otherwise (Mixtral stacks its experts) whole tensors."""
     folder = Path(folder)
     if not (folder / HF_CONFIG).is_file():
         raise NanocoreError(f"{folder} is not a Hugging Face model folder (no {HF_CONFIG})")
     hf_config = json.loads((folder / HF_CONFIG).read_text())
     entry = hf_entry(registries, hf_config, folder)
-    model_config, state = entry.extras["from_hf"](hf_config, read_hf_state(folder))
+    lazy = lazy and bool(entry.extras.get("from_hf_selects_only"))
+    model_config, state = entry.extras["from_hf"](hf_config, read_hf_state(folder, lazy=lazy))
     _check_tensors(entry, model_config, state, folder)
     return HFModel(entry, model_config, state, folder)
 
@@ -155,7 +178,7 @@ def init_reader(path: str | Path, model_args: ModelArgs, registries: Registries)
     """
     if not is_hf_folder(path):
         return ShardReader(resolve_checkpoint(path) / "model")
-    hf = load_hf(path, registries)
+    hf = load_hf(path, registries, lazy=True)  # each rank reads only the rectangles it holds
     problems = model_differences(model_args, hf.entry.name, hf.model_config)
     if problems:
         hint = (

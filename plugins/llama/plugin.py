@@ -45,6 +45,7 @@ def register_models(registry):
         hf_architectures=hf.ARCHITECTURES,
         to_hf=hf.to_hf,
         from_hf=hf.from_hf,
+        from_hf_selects_only=True,  # from_hf renames and drops tensors, never computes: they can be read lazily
     )
     registry.register(
         "mixtral",

@@ -160,3 +160,27 @@ def test_tokenizer_travels_both_ways_and_generate_runs(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("w1 w2")
     assert cli(["convert", "--to-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
     assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+
+
+def test_training_from_an_hf_folder_reads_only_the_rectangles_a_rank_needs(tmp_path, monkeypatch):
+    """A LLaMA folder's tensors are read lazily: a rank's piece costs a safetensors slice of its own
+    rows, never the whole tensor, and holds the same values as the eager read."""
+    from nanocore.checkpoint.tensors import ShardReader
+    from nanocore.convert import LazyTensor, load_hf
+    from nanocore.plugins import load_plugins
+    from nanocore.sharding import Placement
+
+    folder = save_hf_llama(tmp_path / "hf", max_shard_size="20KB")  # several files, as a large model has
+    registries = load_plugins().registries
+    lazy, eager = load_hf(folder, registries, lazy=True), load_hf(folder, registries)
+    assert all(isinstance(t, LazyTensor) for t in lazy.state.values())
+    assert not any(isinstance(t, LazyTensor) for t in eager.state.values())
+    reads = []
+    read = LazyTensor.__getitem__
+    monkeypatch.setattr(LazyTensor, "__getitem__", lambda self, index: reads.append(index) or read(self, index))
+    name = "model.embed_tokens.weight"
+    full = eager.state[name]
+    placement = Placement(tuple(full.shape), (20, 0))  # rows 20..39 of the 67, as a TP rank would hold
+    piece = ShardReader.from_tensors(lazy.state, str(folder)).read(name, placement, (20, full.shape[1]))
+    assert torch.equal(piece, full[20:40])
+    assert reads == [(slice(20, 40), slice(0, full.shape[1]))]

@@ -79,17 +79,15 @@ class ShardedParams:
             self.params.append(p)
         # per chunk, per block: one gather per replica group (expert weights have their own)
         self.blocks: list[list[list[_BlockGather]]] = []
-        seen_in_block: dict[tuple[int, int], list[nn.Parameter]] = {}
-        for c, chunk in enumerate(chunk_modules):
+        for chunk in chunk_modules:
             row = []
-            for b, modules in enumerate(chunk):
+            for modules in chunk:
                 params, ids = [], set()
                 for module in modules:
                     for p in module.parameters():
                         if id(p) in wanted and id(p) not in ids:
                             ids.add(id(p))
                             params.append(p)
-                seen_in_block[(c, b)] = params
                 by_group: dict[int, list[nn.Parameter]] = {}
                 groups: dict[int, tuple] = {}
                 for p in params:

@@ -60,6 +60,10 @@ LAYOUTS = {
         {"optimizer": {"zero_stage": 3}},
     ),
     "dp2_tp2_pp2_1f1b_zero3": (layout(dp=2, tp=2, pp=2, pp_engine="1f1b"), {"optimizer": {"zero_stage": 3}}),
+    "dp2_pp2_afab_selective_recompute_zero3": (
+        layout(dp=2, pp=2, pp_engine="afab", recompute_granularity="selective"),
+        {"optimizer": {"zero_stage": 3}},
+    ),
 }
 
 _reference: dict[bool, dict] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import time
 from pathlib import Path
 
 import attrs
@@ -157,6 +158,23 @@ def read_wandb_records(path: Path):
             yield record
 
 
+def finished_wandb_records(path: Path, timeout: float = 60.0) -> list:
+    """The records of an offline run file once wandb's service has written its last one (`exit`).
+
+    `run.finish()` can return before the service process (wandb-core) has flushed and closed the
+    file: under load CI once read a file holding only its 7-byte header. So wait for the exit record.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(read_wandb_records(path)) if path.stat().st_size > 7 else []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        if time.monotonic() > deadline:
+            kinds = [r.WhichOneof("record_type") for r in records]
+            raise AssertionError(f"{path} has no exit record after {timeout:.0f} s; records: {kinds}")
+        time.sleep(0.1)
+
+
 def test_wandb_offline_run_holds_config_and_history(registries, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -166,7 +184,7 @@ def test_wandb_offline_run_holds_config_and_history(registries, tmp_path, monkey
 
     run_files = list((tmp_path / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(run_files) == 1
-    records = list(read_wandb_records(run_files[0]))
+    records = finished_wandb_records(run_files[0])
     runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert runs[0].project == "proj" and runs[0].display_name == "tiny"
     assert list(runs[0].tags) == ["smoke"]
@@ -193,7 +211,7 @@ def test_wandb_resumed_launch_continues_the_same_run(registries, tmp_path, monke
     assert len(run_files) == 2, run_files  # one offline file per launch, ...
     ids = set()
     for file in run_files:
-        runs = [r.run for r in read_wandb_records(file) if r.WhichOneof("record_type") == "run"]
+        runs = [r.run for r in finished_wandb_records(file) if r.WhichOneof("record_type") == "run"]
         ids |= {r.run_id for r in runs}
     assert ids == {"nc1234abcd"}, "...both of the one W&B run the checkpoint names (wandb sync joins them)"
 

@@ -17,7 +17,8 @@ chunks, the way the engine builds it. Then, in bytes:
   in-flight micro-batches (the pipeline simulator); TP divides what it shards, sequence parallelism
   the norms too; full recompute keeps each recomputed block's input, selective drops the attention
   core's outputs. Plus the backward's working set: the loss's float32 softmax over the logits and
-  one decoder layer's activations;
+  one decoder layer's activations; on a stage without the loss, autograd's fresh gradient of its
+  largest parameter (the embedding's, before it is added to the gradient buffer);
 - comm: ZeRO-1/2's exchange of updated rows (this rank's rows and everyone's, one piece of about
   `exchange_buffer_bytes` at a time, at the optimizer step) and ZeRO-2's staging during backward:
   two buckets (a parameter larger than `ddp_bucket_cap_mb` is a bucket of its own) and one reduced
@@ -126,6 +127,10 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
                 staging = min(2 * max(bucket_bytes, largest_grad), grads * dcp) * (1 + 1 / dcp)
             step_phase = exchange + updated * 4 * step_temporaries  # the optimizer step, activations gone
             backward_phase = max(activations or 0, (activations or 0) - loss_working + staging) + gathered
+            if not loss_working and activations is not None:
+                # a stage without the loss peaks later in backward, when autograd's fresh gradient of its
+                # largest parameter (the first stage's embedding) exists before it joins the buffer
+                backward_phase += max((p.numel() for p in params if p.requires_grad), default=0) * dtype_bytes
             total = param_bytes + grads + (optimizer or 0) + max(backward_phase, step_phase)
             ranks.append(
                 {

@@ -69,6 +69,8 @@ class Engine3D:
         self.schedule = registries.pp_engine.get(par.pp_engine).factory(config)
         # a mode that does not implement TPMode is refused when the config is checked (nanocore.config.checks)
         self.tp_mode: TPMode | None = registries.tp_mode.get(par.tp_mode).factory() if par.tp > 1 else None
+        # what the ZeRO stage asks of the engine: sharded gradients (2), sharded parameters (3)
+        self.zero_extras = registries.zero_stage.get(str(config.optimizer.zero_stage)).extras
         self.local: LocalModel | None = None
         self.optimizer = None
         self.document_separator: int | None = None
@@ -98,7 +100,7 @@ class Engine3D:
             virtual_stages=par.pp_virtual_stages,
             ep_size=ctx.ep,
             ep_rank=ctx.ep_rank,
-            rows_of=self._zero3_rows if self._zero_entry().extras.get("shards_parameters") else None,
+            rows_of=self._zero3_rows if self.zero_extras.get("shards_parameters") else None,
         )
         self.model = self.local.module
         if par.recompute == "selective":
@@ -121,16 +123,9 @@ class Engine3D:
             sequence=self.sequence,
         )
         self.sharded_params: ShardedParams | None = None
-        if self._zero_entry().extras.get("shards_parameters"):  # ZeRO-3: rows at rest, blocks whole in use
-            ctx = self.ctx
+        if self.zero_extras.get("shards_parameters"):  # ZeRO-3: rows at rest, blocks whole in use
             trainable = list({id(p): p for p in self.model.parameters() if p.requires_grad}.values())
-            self.sharded_params = ShardedParams(
-                self.executor.chunk_modules,
-                trainable,
-                lambda p: (
-                    (ctx.edp_group, ctx.edp, ctx.edp_rank) if is_expert(p) else (ctx.dcp_group, ctx.dcp, ctx.dcp_rank)
-                ),
-            )
+            self.sharded_params = ShardedParams(self.executor.chunk_modules, trainable, self._replicas)
             self.executor.params = self.sharded_params
 
     def _setup_sequence(self) -> None:
@@ -188,40 +183,31 @@ class Engine3D:
         dtype = torch.float32 if accumulate_fp32 else self.dtype
         bucket_bytes = self.config.model.ddp_bucket_cap_mb * 2**20
         # context-parallel ranks hold the same weights: they count as data-parallel replicas
-        if self._zero_entry().extras.get("shards_gradients"):  # ZeRO-2: each rank keeps its rows of every gradient
+        if self.zero_extras.get("shards_gradients"):  # ZeRO-2: each rank keeps its rows of every gradient
             self.grads = ShardedGradBuffers(
-                chunk_params,
-                dtype=dtype,
-                device=self.device,
-                bucket_bytes=bucket_bytes,
-                dp_size=ctx.dcp,
-                replica_group=lambda p: (
-                    (ctx.edp_group, ctx.edp, ctx.edp_rank) if is_expert(p) else (ctx.dcp_group, ctx.dcp, ctx.dcp_rank)
-                ),
+                chunk_params, dtype=dtype, device=self.device, bucket_bytes=bucket_bytes, dp_size=ctx.dcp,
+                replica_group=self._replicas,
             )
         else:
             self.grads = GradBuffers(
-                chunk_params,
-                dtype=dtype,
-                device=self.device,
-                bucket_bytes=bucket_bytes,
-                dp_group=ctx.dcp_group,
-                dp_size=ctx.dcp,
-                replica_group=lambda p: (ctx.edp_group, ctx.edp) if is_expert(p) else (ctx.dcp_group, ctx.dcp),
+                chunk_params, dtype=dtype, device=self.device, bucket_bytes=bucket_bytes, dp_group=ctx.dcp_group,
+                dp_size=ctx.dcp, replica_group=lambda p: self._replicas(p)[:2],
             )
         self.tied_split = self._tied_local()
         self.writer = self._writers(dict(self.model.named_parameters()))
+
+    def _replicas(self, p: torch.nn.Parameter) -> tuple[Any, int, int]:
+        """(group, size, this rank's index) of the ranks holding the same piece of `p`: data x context
+        parallel ranks, or the expert-data-parallel ones for an expert's weights."""
+        ctx = self.ctx
+        return (ctx.edp_group, ctx.edp, ctx.edp_rank) if is_expert(p) else (ctx.dcp_group, ctx.dcp, ctx.dcp_rank)
 
     def _zero3_rows(self, p: torch.nn.Parameter) -> tuple[int, int] | None:
         """ZeRO-3: the rows of trainable `p` this rank keeps (its replica group's `row_share`)."""
         if not p.requires_grad:
             return None
-        ctx = self.ctx
-        size, rank = (ctx.edp, ctx.edp_rank) if is_expert(p) else (ctx.dcp, ctx.dcp_rank)
+        _, size, rank = self._replicas(p)
         return row_share(tuple(p.shape), size, rank)
-
-    def _zero_entry(self) -> Entry:
-        return self.registries.zero_stage.get(str(self.config.optimizer.zero_stage))
 
     def _writers(self, params: dict[str, torch.nn.Parameter]) -> dict[str, bool]:
         """Exactly one rank of each replica group writes (and counts in the grad norm) each piece:
@@ -232,7 +218,7 @@ class Engine3D:
 
     def _writes_model(self, param: torch.nn.Parameter, writer: bool) -> bool:
         """Whether this rank saves the piece: a writer, on the first rank of its data-parallel replicas."""
-        return writer and (self.ctx.edp_rank if is_expert(param) else self.ctx.dcp_rank) == 0
+        return writer and self._replicas(param)[2] == 0
 
     # -- optimizer ------------------------------------------------------------------------
     def setup_optimizer(self, optimizer: Entry, zero: Entry, optimizer_args: Any) -> None:

@@ -25,12 +25,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+from _ranks import CLEAR_REFS, init_rank, kb, llama_config, run_ranks, trainer_for
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,112 +45,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _kb(field: str) -> int:
-    for line in STATUS.read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in {STATUS} (Linux only)")
-
-
 def config(args: argparse.Namespace, cp: int, tmp: Path) -> dict[str, Any]:
-    return {
-        "general": {"seed": 1, "project": "benchmark", "run": f"cp{cp}"},
-        "parallelism": {"dp": 1, "tp": 1, "pp": 1, "context_parallel_size": cp},
-        "model": {
-            "model_config": {
-                "model_type": "llama",
-                "hidden_size": args.hidden,
-                "intermediate_size": 4 * args.hidden,
-                "num_attention_heads": args.heads,
-                "num_key_value_heads": max(1, args.heads // 2),
-                "num_hidden_layers": args.layers,
-                "vocab_size": args.vocab,
-                "max_position_embeddings": args.seq,
-            },
-            "dtype": "float32",
-        },
-        "tokenizer": {"tokenizer_name_or_path": None},
-        "tokens": {
-            "sequence_length": args.seq,
-            "train_steps": args.steps + 1,
-            "micro_batch_size": 1,
-            "batch_accumulation_per_replica": 1,
-        },
-        "optimizer": {
-            "learning_rate_scheduler": {"learning_rate": 1e-3, "lr_warmup_steps": 0, "lr_decay_style": "constant"},
-            "optimizer_factory": {"name": "adam_w", "torch_adam_is_fused": False},
-        },
-        "data_stages": [{"name": "stable", "start_training_step": 1, "data": {"dataset": None}}],
-        "checkpoints": {"checkpoints_path": str(tmp / "checkpoints"), "save_final_state": False},
-        "logging": {"log_dir": str(tmp / "logs"), "loggers": []},
-    }
+    parallelism = {"dp": 1, "tp": 1, "pp": 1, "context_parallel_size": cp}
+    return llama_config(args, tmp, f"cp{cp}", parallelism, {}, accumulation=1)
 
 
 def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> None:
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.nn  # noqa: F401  before any group exists (see plugins/parallel3d/context.py)
-
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from nanocore.config.checks import check_config
-    from nanocore.config.converter import structure_config
-    from nanocore.config.load import LoadedConfig
-    from nanocore.plugins import load_plugins
-    from nanocore.trainer import Trainer
-
-    plugins = load_plugins()
-    config = structure_config(raw, plugins.registries)
-    check_config(config, plugins.registries, world)
-    trainer = Trainer(LoadedConfig(config, plugins, None))
-    trainer.memory.reset = lambda: None  # the trainer's own meter would reset the peak inside the step
+    trainer = trainer_for(*init_rank(rank, world, raw, store))
     losses: list[float] = []
     activation_kb, seconds = [], []
     try:
         for step in range(steps + 1):
             CLEAR_REFS.write_text("5")
-            base = _kb("VmRSS")
+            base = kb("VmRSS")
             start = time.perf_counter()
             trainer._train_one_step(losses, 1)  # what Trainer.train runs per step
             elapsed = time.perf_counter() - start
             if step > 0:  # the first step also allocates the optimizer state
-                activation_kb.append(_kb("VmHWM") - base)
+                activation_kb.append(kb("VmHWM") - base)
                 seconds.append(elapsed)
     finally:
         trainer.close()
-    results.put((rank, statistics.median(activation_kb), statistics.median(seconds), losses))
+    results.put((rank, (statistics.median(activation_kb), statistics.median(seconds), losses)))
 
 
 def run_cp(args: argparse.Namespace, cp: int) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        raw = config(args, cp, Path(tmp))
-        procs = [
-            ctx.Process(target=_rank, args=(r, cp, raw, str(Path(tmp) / "store"), args.steps, results))
-            for r in range(cp)
-        ]
-        for proc in procs:
-            proc.start()
-        got = [results.get(timeout=1800) for _ in procs]
-        for proc in procs:
-            proc.join()
-            if proc.exitcode != 0:
-                raise RuntimeError(f"cp {cp}: a rank exited with {proc.exitcode}")
-    got.sort()
-    activation_mib = max(g[1] for g in got) / 1024
-    step_s = got[0][2]
+    got = run_ranks(_rank, cp, lambda tmp: config(args, cp, tmp), args.steps, f"cp {cp}")
+    activation_mib = max(g[0] for g in got) / 1024
+    step_s = got[0][1]
     return {
         "cp": cp,
         "activation_mib_per_rank": activation_mib,
-        "activation_mib_each_rank": [g[1] / 1024 for g in got],
+        "activation_mib_each_rank": [g[0] / 1024 for g in got],
         "step_seconds": step_s,
         "tokens_per_second": args.seq / step_s,
-        "losses": got[0][3],
+        "losses": got[0][2],
     }
 
 

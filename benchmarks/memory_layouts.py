@@ -9,7 +9,8 @@ float32, random tokens) on the same model and global batch:
 
 Per layout: bytes each rank holds for parameters, gradients and optimizer state (the engine's own
 account of its buffers, `Engine.memory_estimate`), the measured peak resident memory of the largest
-rank above its size before the run was built (Linux `VmHWM`, as `peak_memory_mb` in metrics.jsonl)
+rank above its size before the run was built (Linux `VmHWM` from `peak_memory_mb`'s baseline; file-
+backed pages included, which `peak_memory_mb` leaves out)
 beside what `nanocore plan` predicts for it,
 the largest rank's peak activation memory (what a step adds above its resident size at the step's
 start), and tokens/s (global tokens per step over rank 0's median step time). glibc is told to
@@ -27,12 +28,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+from _ranks import CLEAR_REFS, init_rank, kb, llama_config, run_ranks, trainer_for
 
 LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (parallelism + optimizer overrides, ranks)
     "zero0_dp4": ({"dp": 4, "zero_stage": 0}, 4),
@@ -60,89 +60,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _kb(field: str) -> int:
-    for line in STATUS.read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def config(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any]:
     options, world = LAYOUTS[name]
     options = dict(options)
     zero = options.pop("zero_stage", 0)
     dp = options.get("dp", 1)
-    return {
-        "general": {"seed": 1, "project": "benchmark", "run": name},
-        "parallelism": {"dp": dp, "tp": 1, "pp": 1, **options},
-        "model": {
-            "model_config": {
-                "model_type": "llama",
-                "hidden_size": args.hidden,
-                "intermediate_size": 4 * args.hidden,
-                "num_attention_heads": args.heads,
-                "num_key_value_heads": max(1, args.heads // 2),
-                "num_hidden_layers": args.layers,
-                "vocab_size": args.vocab,
-                "max_position_embeddings": args.seq,
-            },
-            "dtype": "float32",
-        },
-        "tokenizer": {"tokenizer_name_or_path": None},
-        "tokens": {
-            "sequence_length": args.seq,
-            "train_steps": args.steps + 1,
-            "micro_batch_size": 1,
-            "batch_accumulation_per_replica": args.global_batch // dp,
-        },
-        "optimizer": {
-            "zero_stage": zero,
-            "learning_rate_scheduler": {"learning_rate": 1e-3, "lr_warmup_steps": 0, "lr_decay_style": "constant"},
-            "optimizer_factory": {"name": "adam_w", "torch_adam_is_fused": False},
-        },
-        "data_stages": [{"name": "stable", "start_training_step": 1, "data": {"dataset": None}}],
-        "checkpoints": {"checkpoints_path": str(tmp / "checkpoints"), "save_final_state": False},
-        "logging": {"log_dir": str(tmp / "logs"), "loggers": []},
-    }
+    parallelism = {"dp": dp, "tp": 1, "pp": 1, **options}
+    return llama_config(args, tmp, name, parallelism, {"zero_stage": zero}, accumulation=args.global_batch // dp)
 
 
 def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> None:
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.nn  # noqa: F401  before any group exists (see plugins/parallel3d/context.py)
-
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from nanocore.config.checks import check_config
-    from nanocore.config.converter import structure_config
-    from nanocore.config.load import LoadedConfig
-    from nanocore.plugins import load_plugins
-    from nanocore.trainer import Trainer
-
-    plugins = load_plugins()
-    config = structure_config(raw, plugins.registries)
-    check_config(config, plugins.registries, world)
+    plugins, config = init_rank(rank, world, raw, store)
     from nanocore.plan_cmd import plan_for
 
     planned = plan_for(config, plugins.registries, "cpu")
     CLEAR_REFS.write_text("5")
-    trainer = Trainer(LoadedConfig(config, plugins, None))
+    trainer = trainer_for(plugins, config)
     before = trainer.memory.baseline_kb  # what peak_memory_mb counts from: start-up done, nothing built
-    trainer.memory.reset = lambda: None  # the trainer's own meter would reset the peak inside the step
     losses: list[float] = []
     activation_kb, seconds = [], []
     try:
         peak = 0
         for step in range(steps + 1):
-            peak = max(peak, _kb("VmHWM"))  # building the run, and the steps before: resets below lose it
+            peak = max(peak, kb("VmHWM"))  # building the run, and the steps before: resets below lose it
             CLEAR_REFS.write_text("5")
-            base = _kb("VmRSS")
+            base = kb("VmRSS")
             start = time.perf_counter()
             trainer._train_one_step(losses, 1)  # what Trainer.train runs per step
             elapsed = time.perf_counter() - start
-            step_peak = _kb("VmHWM")
+            step_peak = kb("VmHWM")
             peak = max(peak, step_peak)
             if step > 0:  # the first step also allocates the optimizer state
                 activation_kb.append(step_peak - base)
@@ -170,25 +116,8 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
 
 
 def run_layout(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
     world = LAYOUTS[name][1]
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        raw = config(args, name, Path(tmp))
-        procs = [
-            ctx.Process(target=_rank, args=(r, world, raw, str(Path(tmp) / "store"), args.steps, results))
-            for r in range(world)
-        ]
-        for proc in procs:
-            proc.start()
-        got = dict(results.get(timeout=1800) for _ in procs)
-        for proc in procs:
-            proc.join()
-            if proc.exitcode != 0:
-                raise RuntimeError(f"{name}: a rank exited with {proc.exitcode}")
-    ranks = [got[r] for r in range(world)]
+    ranks = run_ranks(_rank, world, lambda tmp: config(args, name, tmp), args.steps, name)
     largest = max(ranks, key=lambda r: r["peak_mib"])
     tokens = args.global_batch * args.seq
     return {

@@ -69,7 +69,7 @@ def init_rank(rank: int, world: int, raw: dict, store: str):
     Returns (plugins, config); build the `Trainer` after any measurement baseline."""
     import torch
     import torch.distributed as dist
-    import torch.distributed.nn  # noqa: F401  before any group exists (see plugins/parallel3d/context.py)
+    import torch.distributed.nn  # noqa: F401  before any group exists (see plugins/parallel/grid.py)
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))

@@ -156,7 +156,7 @@ class PlainLoop:
 
         from nanocore_plugins.llama.config import LlamaConfig
         from nanocore_plugins.llama.model import LlamaForCausalLM
-        from nanocore_plugins.parallel3d.build import param_seed
+        from nanocore_plugins.parallel.build import param_seed
 
         self.args = args
         self.device = torch.device(args.device)

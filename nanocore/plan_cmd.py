@@ -1,7 +1,7 @@
 """`nanocore plan CONFIG`: bytes per rank before anything is launched.
 
 The engine plugin does the counting (registry entry extra `plan(config, registries, device) ->
-dict`, see plugins/parallel3d/planner.py for the built-in engine's formulas); this command prints
+dict`, see plugins/parallel/planner.py for the built-in engine's formulas); this command prints
 the result per distinct rank, FLOPs per step, and with `--device-memory` whether the layout fits and
 the largest micro-batch that does. The same totals appear in the start-of-run summary.
 """

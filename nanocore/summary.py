@@ -1,7 +1,7 @@
 """The start-of-run summary rank 0 prints: what runs, where, on what, and how big it is.
 
     nanocore 0.1.0 | run 'tiny_llama' (id 3f2a...) | fresh start
-    plugins: llama, parallel3d, ... (nanocore 0.1.0); stdlib_corpus (local examples/local_plugins/stdlib_corpus.py)
+    plugins: llama, parallel, ... (nanocore 0.1.0); stdlib_corpus (local examples/local_plugins/stdlib_corpus.py)
     layout: 8 processes = dp 2 x tp 2 x pp 2 | pp_engine 1f1b, 1 virtual stage(s) | tp_mode REDUCE_SCATTER | ZeRO 1 | cpu, float32
     model: llama, 1.06M parameters; per rank 0.19M-0.34M
     ...

@@ -1,7 +1,7 @@
 """The two built-in tensor-parallel modes: ALL_REDUCE (Megatron) and REDUCE_SCATTER (sequence parallel).
 
 A mode decides how activations travel between the parallel layers of
-`nanocore_plugins.parallel3d.tensor_parallel`; the layers hold only weights and call the mode.
+`nanocore_plugins.parallel.tensor_parallel`; the layers hold only weights and call the mode.
 The contract is the core's `nanocore.tp_api.TPMode`; a third-party mode registers any object that
 implements it.
 """

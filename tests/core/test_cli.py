@@ -16,7 +16,7 @@ from nanocore.cli import run as cli_run
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 BIN = Path(sys.executable).parent
-BUILTINS = ["data", "llama", "loggers", "optim", "parallel3d", "schedules", "tokenizers", "tp_modes", "zero"]
+BUILTINS = ["data", "llama", "loggers", "optim", "parallel", "schedules", "tokenizers", "tp_modes", "zero"]
 
 
 @pytest.fixture(autouse=True)

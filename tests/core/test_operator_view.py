@@ -30,7 +30,7 @@ def test_start_of_run_summary_says_what_runs_where(tmp_path, caplog):
     assert lines[1].strip().startswith(f"nanocore {__version__} | run 'parity' (id ")
     assert "| fresh start" in lines[1]
     plugins = next(line for line in lines if line.strip().startswith("plugins:"))
-    for name in ("parallel3d", "schedules", "llama", "optim", "zero", "data", "loggers"):
+    for name in ("parallel", "schedules", "llama", "optim", "zero", "data", "loggers"):
         assert name in plugins
     assert f"(nanocore {__version__})" in plugins
     assert (

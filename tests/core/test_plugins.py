@@ -33,7 +33,7 @@ BUILTIN_HOOKS = {
     "llama": ["register_models"],
     "loggers": ["register_loggers"],
     "optim": ["register_lr_schedulers", "register_optimizers"],
-    "parallel3d": ["register_parallel_engines"],
+    "parallel": ["register_parallel_engines"],
     "schedules": ["register_commands", "register_pipeline_engines"],
     "tokenizers": ["register_tokenizers"],
     "tp_modes": ["register_tp_modes"],
@@ -91,7 +91,7 @@ def test_registries_list_names_with_their_plugin_and_aliases(listing):
     registries = listing["registries"]
     expected = {
         "model": {"llama": "llama"},
-        "parallel_engine": {"3d": "parallel3d"},
+        "parallel_engine": {"3d": "parallel"},
         "pp_engine": {"afab": "schedules", "1f1b": "schedules", "interleaved": "schedules"},
         "tp_mode": {"ALL_REDUCE": "tp_modes", "REDUCE_SCATTER": "tp_modes"},
         "optimizer": {"adam_w": "optim", "sgd": "optim"},

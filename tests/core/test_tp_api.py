@@ -49,7 +49,7 @@ def test_the_engine_applies_the_tp_plan_itself():
     """The model builder takes a (TP-parallelised) meta model, not a closure that parallelises it."""
     import inspect
 
-    from nanocore_plugins.parallel3d import build
+    from nanocore_plugins.parallel import build
 
     params = inspect.signature(build.build_local_model).parameters
     assert "parallelize_tp" not in params and next(iter(params)) == "model"

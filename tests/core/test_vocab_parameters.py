@@ -20,7 +20,7 @@ from nanocore.model_api import check_model, vocab_parameters, whole_placement
 from nanocore.plugins import load_plugins
 from nanocore.sharding import Placement, get_placement
 from nanocore_plugins.llama.config import LlamaConfig
-from nanocore_plugins.parallel3d.build import build_local_model, meta_model
+from nanocore_plugins.parallel.build import build_local_model, meta_model
 from tests.helpers.training import TINY_MODEL, run_training, tiny_config
 
 LLAMA = {k: v for k, v in TINY_MODEL.items() if k != "model_type"}

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  before any group exists: see plugins/parallel3d/context.py
+import torch.distributed.nn  # noqa: F401  before any group exists: see plugins/parallel/grid.py
 import torch.multiprocessing as mp
 
 # Read by the C library, OpenMP or the interpreter when a process starts: applying them in an

@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
-import torch.distributed.nn  # noqa: F401  before any group exists: see plugins/parallel3d/context.py
+import torch.distributed.nn  # noqa: F401  before any group exists: see plugins/parallel/grid.py
 
 import tests.helpers.training  # noqa: F401
 

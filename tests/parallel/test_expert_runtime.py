@@ -47,7 +47,7 @@ def _reference(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _ranked(rank: int, world_size: int):
     import torch.distributed as dist
 
-    from nanocore_plugins.parallel3d.experts import ExpertParallel
+    from nanocore_plugins.parallel.expert_parallel import ExpertParallel
 
     runtime = ExpertParallel(dist.group.WORLD, world_size, rank)
     x, counts = _rows(rank)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanocore_plugins.parallel3d.grads import GradBuffers
+from nanocore_plugins.parallel.data_parallel import GradBuffers
 from tests.helpers.compare import rel_diff
 from tests.helpers.distributed import run_ranks
 

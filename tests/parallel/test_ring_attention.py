@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanocore.sequence_api import document_attention, document_ids, repeat_kv
-from nanocore_plugins.parallel3d.context_parallel import ContextParallel, zigzag_index
+from nanocore_plugins.parallel.context_parallel import ContextParallel, zigzag_index
 from tests.helpers.compare import rel_diff
 from tests.helpers.distributed import run_ranks
 
@@ -46,7 +46,7 @@ def reference(docs: bool):
 
 def _ring(rank, world_size, docs, tile=None):
     if tile is not None:  # scores a few query rows at a time
-        from nanocore_plugins.parallel3d import context_parallel
+        from nanocore_plugins.parallel import context_parallel
 
         context_parallel._TILE_ELEMENTS = tile
     q, k, v, dout, ids = inputs(docs)

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nanocore.plugins import PluginSet
 from nanocore.sharding import get_placement
-from nanocore_plugins.parallel3d.tensor_parallel import (
+from nanocore_plugins.parallel.tensor_parallel import (
     VocabParallelLMHead,
     parallelize,
     set_tp_mode,

@@ -14,7 +14,7 @@ from torch import nn
 
 from nanocore.checkpoint.tensors import ShardReader, write_shards
 from nanocore.sharding import Placement, get_placement
-from nanocore_plugins.parallel3d import build
+from nanocore_plugins.parallel import build
 from tests.helpers.distributed import run_ranks
 
 
@@ -59,8 +59,8 @@ def _init_peak(rank: int, world_size: int, parallelism: dict, zero_stage: int, f
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     from nanocore.config.converter import structure_config
     from nanocore.plugins import load_plugins
-    from nanocore_plugins.parallel3d import engine as engine_module
-    from nanocore_plugins.parallel3d.engine import Engine3D
+    from nanocore_plugins.parallel import engine as engine_module
+    from nanocore_plugins.parallel.engine import Engine3D
     from tests.helpers.training import tiny_config
 
     model = {

@@ -18,8 +18,8 @@ from torch.utils.checkpoint import checkpoint
 from nanocore.pipeline_api import Action, PipelineSchedule
 
 from .build import LocalModel
-from .context import ParallelContext
 from .context_parallel import ContextParallel
+from .grid import ParallelContext
 
 _HEADER = 8  # ndim + up to 7 dims
 

@@ -43,7 +43,7 @@ from nanocore.registry import Registries
 from nanocore.sharding import row_share
 
 from .build import keep_rank_part, meta_model
-from .experts import is_expert
+from .expert_parallel import is_expert
 from .tensor_parallel import PlannedGroup
 from .tensor_parallel import parallelize as tp_parallelize
 

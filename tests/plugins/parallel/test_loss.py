@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanocore_plugins.parallel3d.loss import cross_entropy
+from nanocore_plugins.parallel.loss import cross_entropy
 from tests.helpers.compare import rel_diff
 
 

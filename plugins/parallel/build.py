@@ -25,7 +25,7 @@ from nanocore.moe_api import moe_layers
 from nanocore.registry import Entry
 from nanocore.sharding import Placement, get_placement, set_placement
 
-from .experts import shard_experts
+from .expert_parallel import shard_experts
 
 
 @attrs.define

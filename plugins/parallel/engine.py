@@ -28,14 +28,14 @@ from nanocore.sharding import get_placement, row_share
 from nanocore.tp_api import TPMode
 
 from .build import LocalModel, build_local_model, meta_model
-from .context import ParallelContext
 from .context_parallel import ContextParallel
-from .experts import ExpertParallel, is_expert
-from .grads import GradBuffers
+from .data_parallel import GradBuffers
+from .data_parallel_zero2 import ShardedGradBuffers
+from .data_parallel_zero3 import ShardedParams
+from .expert_parallel import ExpertParallel, is_expert
+from .grid import ParallelContext
 from .loss import cross_entropy
-from .pipeline import PipelineExecutor
-from .sharded_grads import ShardedGradBuffers
-from .sharded_params import ShardedParams
+from .pipeline_parallel import PipelineExecutor
 from .tensor_parallel import parallelize as tp_parallelize
 from .tensor_parallel import tp_grad_sync, tp_owned_parameters, vocab_parallel_cross_entropy
 

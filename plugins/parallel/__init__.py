@@ -1,0 +1,1 @@
+"""nanocore built-in plugin: parallel."""

@@ -1,1 +1,0 @@
-"""nanocore built-in plugin: parallel3d."""

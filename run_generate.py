@@ -1,7 +1,7 @@
 """Continue a prompt with a trained checkpoint:
 `python run_generate.py --ckpt-path checkpoints/tiny_llama --prompt "def " --max-new-tokens 200 --temperature 0`."""
 
-from nanocore.cli import generate_main
+from nanocore.commands.cli import generate_main
 
 if __name__ == "__main__":
     generate_main()

@@ -1,7 +1,7 @@
 """Train a model: `python run_train.py --config-file CONFIG` (one process) or
 `torchrun --nproc_per_node=N run_train.py --config-file CONFIG`."""
 
-from nanocore.cli import train_main
+from nanocore.commands.cli import train_main
 
 if __name__ == "__main__":
     train_main()

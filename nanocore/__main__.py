@@ -1,3 +1,3 @@
-from nanocore.cli import main
+from nanocore.commands.cli import main
 
 main()

@@ -118,7 +118,7 @@ def _memory_line(estimates: list[dict[str, Any]]) -> str:
 
 def _plan_line(trainer: Trainer) -> str:
     """The planner's figures for the largest rank (what `nanocore plan` prints for this config)."""
-    from nanocore.plan_cmd import plan_for
+    from nanocore.commands.plan import plan_for
 
     try:
         plan = plan_for(trainer.config, trainer.registries, trainer.engine.device.type)

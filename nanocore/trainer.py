@@ -32,11 +32,11 @@ from nanocore.checkpoint.tensors import ShardReader, write_shards
 from nanocore.checkpoint.verify import verify_for_resume
 from nanocore.config import Config, unstructure_config
 from nanocore.config.load import LoadedConfig
-from nanocore.convert import init_reader, is_hf_folder
 from nanocore.data.build import build_tokenizer, check_vocab, document_separator, stage_mixture
 from nanocore.data.schedule import DataSchedule
 from nanocore.engine_api import Engine
 from nanocore.errors import NanocoreError, TrainingError, TrainingInterrupted, explain_collective_failure
+from nanocore.hf_interop import init_reader, is_hf_folder
 from nanocore.logging_api import LoggerContext
 from nanocore.lr_schedule import LRSchedule
 from nanocore.memory import MemoryMeter

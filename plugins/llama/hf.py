@@ -71,7 +71,7 @@ def hf_config_fields(config: LlamaConfig, model_type: str, architectures, same_f
 
 
 def to_hf(config: LlamaConfig, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """nanocore config + full tensors (true vocabulary, as `nanocore.convert.checkpoint_state` reads
+    """nanocore config + full tensors (true vocabulary, as `nanocore.hf_interop.checkpoint_state` reads
     them) -> transformers config.json + state dict."""
     problems = config.problems()
     if problems:

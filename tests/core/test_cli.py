@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nanocore.cli import run as cli_run
+from nanocore.commands.cli import run as cli_run
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 BIN = Path(sys.executable).parent

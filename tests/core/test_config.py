@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from nanocore.cli import run as cli_run
+from nanocore.commands.cli import run as cli_run
 from nanocore.config import dump_yaml, structure_config
 from nanocore.plugins import load_plugins
 

@@ -11,9 +11,9 @@ import yaml
 
 from nanocore.checkpoint.manifest import write_manifest
 from nanocore.checkpoint.tensors import ShardedTensor, write_shards
-from nanocore.cli import run
+from nanocore.commands.cli import run
+from nanocore.commands.generate import load_checkpoint_model
 from nanocore.config.schema import ModelArgs
-from nanocore.generate_cmd import load_checkpoint_model
 from nanocore.generation import generate
 from nanocore.sharding import Placement
 from nanocore_plugins.llama.config import LlamaConfig

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from nanocore import __version__
-from nanocore.cli import run as cli_run
+from nanocore.commands.cli import run as cli_run
 from nanocore.memory import MemoryMeter
 from tests.helpers.launch import REPO, launch_env
 from tests.helpers.training import run_training, tiny_config
@@ -46,8 +46,8 @@ def test_start_of_run_summary_says_what_runs_where(tmp_path, caplog):
     memory = next(line for line in lines if "memory per rank" in line)
     assert "parameters " in memory and "gradients " in memory and "optimizer state " in memory
     # the planner's total for the largest rank, as `nanocore plan` prints it for this config
+    from nanocore.commands.plan import plan_for
     from nanocore.config.converter import structure_config
-    from nanocore.plan_cmd import plan_for
     from nanocore.plugins import load_plugins
 
     registries = load_plugins().registries

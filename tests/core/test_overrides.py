@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from nanocore.cli import run as cli_run
+from nanocore.commands.cli import run as cli_run
 from nanocore.config.overrides import apply_overrides
 from nanocore.errors import ConfigError
 from tests.helpers.launch import REPO, launch_env

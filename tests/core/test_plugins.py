@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 import nanocore
-from nanocore.cli import run as cli_run
+from nanocore.commands.cli import run as cli_run
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -296,7 +296,7 @@ def test_broken_entry_point_is_reported_with_distribution_and_how_to_disable(mon
 CORE_ALONE = """
 import importlib, json, pkgutil, sys
 import nanocore
-from nanocore.cli import run
+from nanocore.commands.cli import run
 from nanocore.plugins import load_plugins
 
 names = [m.name for m in pkgutil.walk_packages(nanocore.__path__, "nanocore.") if m.name != "nanocore.__main__"]

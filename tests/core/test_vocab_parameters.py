@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader, write_shards
-from nanocore.cli import run as cli
+from nanocore.commands.cli import run as cli
+from nanocore.commands.generate import load_checkpoint_model
 from nanocore.config.schema import ModelArgs
 from nanocore.errors import PluginError
-from nanocore.generate_cmd import load_checkpoint_model
 from nanocore.model_api import check_model, vocab_parameters, whole_placement
 from nanocore.plugins import load_plugins
 from nanocore.sharding import Placement, get_placement

@@ -208,7 +208,7 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_both(tmp_path):
 
 
 def test_a_converted_checkpoint_has_a_manifest(tmp_path):
-    from nanocore.convert import from_hf
+    from nanocore.hf_interop import from_hf
     from tests.helpers.hf_models import save_hf_llama
 
     report = verify_checkpoint(from_hf(save_hf_llama(tmp_path / "hf"), tmp_path / "converted"))

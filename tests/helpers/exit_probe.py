@@ -2,7 +2,7 @@
 
     torchrun ... tests/helpers/exit_probe.py --config-file CONFIG [overrides]     (PROBE_DIR=folder)
 
-After `nanocore.cli.run` returns, each rank writes `PROBE_DIR/rank<R>.json` with the exit status it
+After `nanocore.commands.cli.run` returns, each rank writes `PROBE_DIR/rank<R>.json` with the exit status it
 would exit with, the OS threads still alive (names from /proc), the Python threads, and whether a
 default process group is still initialised, then exits with that status. The exit-path tests check
 that every way out (success, config error, user error, exception, signal, stall) leaves only the
@@ -26,7 +26,7 @@ def os_threads() -> list[str]:
 
 
 def main() -> int:
-    from nanocore.cli import run
+    from nanocore.commands.cli import run
 
     code = run(["train", *sys.argv[1:]], prog="run_train.py")
     import torch.distributed as dist

@@ -13,12 +13,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from nanocore.cli import run as cli
+from nanocore.commands.cli import run as cli
+from nanocore.commands.generate import load_checkpoint_model
 from nanocore.config.checks import check_config
 from nanocore.config.converter import structure_config
 from nanocore.config.load import LoadedConfig
 from nanocore.errors import ConfigError
-from nanocore.generate_cmd import load_checkpoint_model
 from nanocore.plugins import load_plugins
 from nanocore.trainer import Trainer
 from tests.helpers.compare import rel_diff

@@ -13,9 +13,9 @@ import json
 
 import pytest
 
-from nanocore.cli import run as cli_run
+from nanocore.commands.cli import run as cli_run
+from nanocore.commands.plan import fit, parse_bytes, plan_for
 from nanocore.config.converter import structure_config
-from nanocore.plan_cmd import fit, parse_bytes, plan_for
 from nanocore.plugins import load_plugins
 from tests.helpers.distributed import run_ranks
 from tests.helpers.training import _rank_train, tiny_config

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanocore.cli import run as cli
+from nanocore.commands.cli import run as cli
+from nanocore.commands.generate import load_checkpoint_model
 from nanocore.config.load import load_config
-from nanocore.convert import from_hf
 from nanocore.errors import NanocoreError
-from nanocore.generate_cmd import load_checkpoint_model
 from nanocore.generation import generate
+from nanocore.hf_interop import from_hf
 from tests.helpers.compare import rel_diff
 from tests.helpers.hf_models import hf_model, save_hf_llama
 
@@ -166,7 +166,7 @@ def test_training_from_an_hf_folder_reads_only_the_rectangles_a_rank_needs(tmp_p
     """A LLaMA folder's tensors are read lazily: a rank's piece costs a safetensors slice of its own
     rows, never the whole tensor, and holds the same values as the eager read."""
     from nanocore.checkpoint.tensors import ShardReader
-    from nanocore.convert import LazyTensor, load_hf
+    from nanocore.hf_interop import LazyTensor, load_hf
     from nanocore.plugins import load_plugins
     from nanocore.sharding import Placement
 

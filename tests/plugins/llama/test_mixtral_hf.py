@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nanocore.cli import run as cli
+from nanocore.commands.cli import run as cli
+from nanocore.commands.generate import load_checkpoint_model
 from nanocore.config.load import load_config
-from nanocore.convert import write_hf
 from nanocore.errors import ConfigError
-from nanocore.generate_cmd import load_checkpoint_model
 from nanocore.generation import generate
+from nanocore.hf_interop import write_hf
 from nanocore_plugins.llama import mixtral_hf
 from tests.helpers.compare import rel_diff
 from tests.plugins.llama.test_mixtral_model import make, tiny

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanocore import cli
+from nanocore.commands import cli
 from nanocore.config.schema import Config, ModelArgs, ParallelismArgs, TokensArgs
 from nanocore.pipeline_api import Action, ScheduleError
 from nanocore.pipeline_sim import simulate

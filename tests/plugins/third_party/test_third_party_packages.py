@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nanocore import cli
+from nanocore.commands import cli
 from tests.plugins.third_party.packages import PACKAGES, require
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -10,7 +10,8 @@ import time
 import traceback
 from collections.abc import Sequence
 
-from nanocore import __version__, generate_cmd, plan_cmd  # light: torch is imported when a command runs
+from nanocore import __version__
+from nanocore.commands import generate, plan  # light: torch is imported when a command runs
 from nanocore.errors import NanocoreError
 from nanocore.log_setup import rank, setup_logging
 
@@ -46,9 +47,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    from nanocore.commands.preflight import check_inputs
     from nanocore.config import dump_yaml
     from nanocore.config.load import load_config
-    from nanocore.preflight import check_inputs
 
     loaded = load_config(args.config, args.plugin, world_size=args.world_size, overrides=args.overrides)
     for line in check_inputs(loaded.config, loaded.plugins.registries, loaded.path.resolve().parent, data=not args.skip_data):
@@ -99,13 +100,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from nanocore import convert
+    from nanocore import hf_interop
 
     setup_logging()
     if args.to_hf:
-        convert.to_hf(args.source, args.dest, args.plugin, args.dtype)
+        hf_interop.to_hf(args.source, args.dest, args.plugin, args.dtype)
     else:
-        convert.from_hf(args.source, args.dest, args.plugin)
+        hf_interop.from_hf(args.source, args.dest, args.plugin)
     return 0
 
 
@@ -134,15 +135,15 @@ def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
     add_overrides_argument(p)
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("plan", help="bytes per rank (parameters, gradients, optimizer, activations) before launching")
-    plan_cmd.add_arguments(p)
+    plan.add_arguments(p)
     add_overrides_argument(p)
-    p.set_defaults(func=plan_cmd.cmd_plan)
+    p.set_defaults(func=plan.cmd_plan)
     p = sub.add_parser("train", help=f"{TRAIN_HELP} (same as run_train.py)")
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("generate", help=f"{GENERATE_HELP} (same as run_generate.py)")
-    generate_cmd.add_arguments(p)
-    p.set_defaults(func=generate_cmd.run)
+    generate.add_arguments(p)
+    p.set_defaults(func=generate.run)
     p = sub.add_parser("convert", help="convert a checkpoint to a Hugging Face transformers folder, or back")
     direction = p.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to-hf", action="store_true", help="SOURCE: nanocore checkpoint; DEST: new HF folder")
@@ -188,7 +189,7 @@ def _standalone_parser(command: str, prog: str) -> argparse.ArgumentParser:
     """The parser of one built-in command under a script's own name (run_train.py, run_generate.py)."""
     add, func, description = {
         "train": (add_train_arguments, cmd_train, TRAIN_HELP),
-        "generate": (generate_cmd.add_arguments, generate_cmd.run, GENERATE_HELP),
+        "generate": (generate.add_arguments, generate.run, GENERATE_HELP),
     }[command]
     parser = argparse.ArgumentParser(prog=prog, description=f"nanocore: {description}")
     parser.add_argument("--version", action="version", version=f"nanocore {__version__}")

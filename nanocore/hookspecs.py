@@ -29,8 +29,12 @@ class NanocoreSpecs:
         """Register parallel engines (`parallelism.engine`): `factory(config, registries) -> Engine`."""
 
     @hookspec
-    def register_pipeline_engines(self, registry):
+    def register_pipeline_schedules(self, registry):
         """Register pipeline schedules (`parallelism.pp_engine`): `factory(config) -> PipelineSchedule`."""
+
+    @hookspec(warn_on_impl=DeprecationWarning("register_pipeline_engines is now register_pipeline_schedules (nanocore 0.2)"))
+    def register_pipeline_engines(self, registry):
+        """Deprecated name of `register_pipeline_schedules`; still called, for one release."""
 
     @hookspec
     def register_tp_modes(self, registry):
@@ -42,8 +46,12 @@ class NanocoreSpecs:
         `factory(param_groups, args, *, lr, weight_decay, device) -> torch.optim.Optimizer`."""
 
     @hookspec
-    def register_lr_schedulers(self, registry):
+    def register_lr_decays(self, registry):
         """Register LR decay shapes (`lr_decay_style`): `factory(progress) -> factor`, both in [0, 1]."""
+
+    @hookspec(warn_on_impl=DeprecationWarning("register_lr_schedulers is now register_lr_decays (nanocore 0.2)"))
+    def register_lr_schedulers(self, registry):
+        """Deprecated name of `register_lr_decays`; still called, for one release."""
 
     @hookspec
     def register_zero_stages(self, registry):

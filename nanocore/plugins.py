@@ -136,10 +136,16 @@ class PluginSet:
         """Fill every registry by calling each plugin's register hook, one plugin at a time."""
         if self._registries is None:
             registries = Registries()
-            for kind, (hook_name, _) in REGISTRY_KINDS.items():
+            for kind, spec in REGISTRY_KINDS.items():
                 registry = registries[kind]
-                hook = getattr(self.pm.hook, hook_name)
-                for impl in hook.get_hookimpls():  # registration order: entry points, then local plugins
+                impls = [
+                    (hook_name, impl)
+                    for hook_name in (spec.hook, *spec.deprecated_hooks)
+                    for impl in getattr(self.pm.hook, hook_name).get_hookimpls()
+                ]
+                order = list(self.infos)  # registration order: entry points, then local plugins
+                impls.sort(key=lambda pair: order.index(pair[1].plugin_name) if pair[1].plugin_name in order else 0)
+                for hook_name, impl in impls:
                     registry.current_plugin = impl.plugin_name
                     try:
                         impl.function(**{a: registry for a in impl.argnames})

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -31,9 +32,10 @@ class Entry:
 class Registry:
     """Maps names to `Entry` records for one kind of plugin-provided thing (models, loggers, ...)."""
 
-    def __init__(self, kind: str, doc: str = ""):
-        self.kind = kind
-        self.doc = doc
+    def __init__(self, kind: str, spec: RegistryKind | None = None):
+        self.spec = spec if spec is not None else RegistryKind(f"register_{kind}s", "")
+        self.kind = kind.replace("_", " ")
+        self.doc = self.spec.signature
         self._entries: dict[str, Entry] = {}
         self._aliases: dict[str, str] = {}
         # Set by the plugin manager while a plugin's register hook runs, so that
@@ -58,11 +60,32 @@ class Registry:
                     f"{self.kind} name {key!r} is registered twice: by plugin {owner!r} and by plugin "
                     f"{self.current_plugin!r}. Disable one with NANOCORE_DISABLE_PLUGINS=<name>."
                 )
+        self._check_extras(name, extras)
         entry = Entry(name, factory, config_class, self.current_plugin, description, dict(extras))
         self._entries[name] = entry
         for alias in aliases:
             self._aliases[alias] = name
         return entry
+
+    def _check_extras(self, name: str, extras: dict[str, Any]) -> None:
+        """A misspelt or unknown extra is an error naming the plugin, as a misspelt hook name is."""
+        accepted = self.spec.extras
+        for key, value in extras.items():
+            if key not in accepted:
+                close = difflib.get_close_matches(key, list(accepted), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                takes = ", ".join(sorted(accepted)) or "none"
+                raise PluginError(
+                    f"plugin {self.current_plugin!r} registers {self.kind} {name!r} with unknown extra {key!r}{hint}; "
+                    f"a {self.kind} accepts: {takes} (nanocore.registry.REGISTRY_KINDS)"
+                )
+            expected = accepted[key].type
+            if not isinstance(value, expected if isinstance(expected, tuple) else (expected,)):
+                wanted = " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
+                raise PluginError(
+                    f"plugin {self.current_plugin!r} registers {self.kind} {name!r} with {key}={value!r}: expected "
+                    f"{wanted} ({accepted[key].doc})"
+                )
 
     def canonical(self, name: str) -> str | None:
         if name in self._entries:
@@ -106,20 +129,106 @@ class Registry:
         return len(self._entries)
 
 
-# kind -> (hook name, description of the factory's signature)
-REGISTRY_KINDS: dict[str, tuple[str, str]] = {
-    "model": ("register_models", "factory(model_args: ModelArgs, *, vocab_multiple: int) -> nn.Module (nanocore.model_api)"),
-    "parallel_engine": ("register_parallel_engines", "factory(config: Config, registries: Registries) -> Engine"),
-    "pp_engine": ("register_pipeline_engines", "factory(config: Config) -> PipelineSchedule"),
-    "tp_mode": ("register_tp_modes", "factory() -> TP mode object (column_linear, row_linear, after_embedding)"),
-    "optimizer": ("register_optimizers", "factory(param_groups, args, *, lr, weight_decay, device) -> torch.optim.Optimizer"),
-    "lr_decay": ("register_lr_schedulers", "factory(progress: float in [0, 1]) -> remaining fraction in [0, 1]"),
-    "zero_stage": ("register_zero_stages", "factory(params: list[TrainableParam], build_optimizer, dp) -> ZeroOptimizer"),
-    "dataset_format": ("register_dataset_formats", "factory(args, ctx: DatasetContext) -> list[(SampleDataset, weight)]"),
-    "tokenizer": ("register_tokenizers", "factory(name_or_path: str) -> Tokenizer"),
-    "logger": ("register_loggers", "factory(options, ctx: LoggerContext) -> Logger"),
-    "command": ("register_commands", "factory(args: argparse.Namespace) -> int; add_arguments=fn(parser) extra"),
+@attrs.frozen
+class Extra:
+    """A keyword a registry kind accepts in `register(...)` besides the fixed ones: its type and meaning."""
+
+    type: type | tuple[type, ...]
+    doc: str
+
+
+_CHECK = Extra(Callable, "fn(config, args) -> list[str]: problems with this entry's config, run before launch")
+
+
+@attrs.frozen
+class RegistryKind:
+    """One kind of plugin-provided thing: the hook that fills it, the factory's signature, the extras it takes.
+
+    `deprecated_hooks` are earlier names of `hook`, still called (with a warning) for one release."""
+
+    hook: str
+    signature: str
+    extras: dict[str, Extra] = attrs.field(factory=dict)
+    deprecated_hooks: tuple[str, ...] = ()
+
+
+REGISTRY_KINDS: dict[str, RegistryKind] = {
+    "model": RegistryKind(
+        "register_models",
+        "factory(model_args: ModelArgs, *, vocab_multiple: int) -> CausalLM (nanocore.model_api)",
+        {
+            "check": _CHECK,
+            "hf_architectures": Extra((tuple, list), "transformers architecture names this model reads and writes"),
+            "from_hf": Extra(Callable, "fn(hf_config: dict, state) -> (model_config, state): weights from transformers"),
+            "to_hf": Extra(Callable, "fn(model_config, state) -> (hf_config: dict, state): weights to transformers"),
+            "from_hf_selects_only": Extra(bool, "from_hf only renames and drops tensors, so they can be read lazily"),
+        },
+    ),
+    "parallel_engine": RegistryKind(
+        "register_parallel_engines",
+        "factory(config: Config, registries: Registries) -> Engine (nanocore.engine_api)",
+        {
+            "check": _CHECK,
+            "check_model": Extra(Callable, "fn(config, model_entry) -> list[str]: checks that need the model"),
+            "plan": Extra(Callable, "fn(config, registries, device) -> MemoryPlan: bytes per rank (nanocore plan)"),
+        },
+    ),
+    "pipeline_schedule": RegistryKind(
+        "register_pipeline_schedules",
+        "factory(config: Config) -> PipelineSchedule (nanocore.pipeline_api)",
+        {"check": _CHECK},
+        deprecated_hooks=("register_pipeline_engines",),
+    ),
+    "tp_mode": RegistryKind(
+        "register_tp_modes", "factory() -> TPMode (nanocore.tp_api)", {"check": _CHECK}
+    ),
+    "optimizer": RegistryKind(
+        "register_optimizers",
+        "factory(param_groups, args, *, lr, weight_decay, device) -> torch.optim.Optimizer",
+        {
+            "check": _CHECK,
+            "states_per_element": Extra(Callable, "fn(args) -> int: optimizer state tensors per parameter element"),
+            "step_temporaries_per_element": Extra(
+                Callable, "fn(args) -> int: temporary copies per element while the optimizer steps (planner)"
+            ),
+        },
+    ),
+    "lr_decay": RegistryKind(
+        "register_lr_decays",
+        "factory(progress: float in [0, 1]) -> remaining fraction in [0, 1]",
+        deprecated_hooks=("register_lr_schedulers",),
+    ),
+    "zero_stage": RegistryKind(
+        "register_zero_stages",
+        "factory(params: list[TrainableParam], build_optimizer, dp) -> ZeroOptimizer (nanocore.engine_api)",
+        {
+            "shards_optimizer_state": Extra(bool, "optimizer state and master weights kept as rows per data-parallel rank"),
+            "shards_gradients": Extra(bool, "gradients reduce-scattered during backward, each rank keeps its rows"),
+            "shards_parameters": Extra(bool, "parameters kept as rows at rest, each block gathered around its use"),
+            "exchange_buffer_bytes": Extra(int, "bytes of the piece in which updated rows are exchanged (planner)"),
+        },
+    ),
+    "dataset_format": RegistryKind(
+        "register_dataset_formats",
+        "factory(args, ctx: DatasetContext) -> list[(SampleDataset, weight)] (nanocore.data.api)",
+        {"check": _CHECK},
+    ),
+    "tokenizer": RegistryKind("register_tokenizers", "factory(name_or_path: str) -> Tokenizer (nanocore.data.api)"),
+    "logger": RegistryKind(
+        "register_loggers", "factory(options, ctx: LoggerContext) -> Logger (nanocore.logging_api)", {"check": _CHECK}
+    ),
+    "command": RegistryKind(
+        "register_commands",
+        "factory(args: argparse.Namespace) -> int (the exit code)",
+        {"add_arguments": Extra(Callable, "fn(parser): adds the command's argparse arguments")},
+    ),
 }
+
+# Hook names renamed in 0.2 -> their new names (both are called, the old with a DeprecationWarning).
+RENAMED_HOOKS = {old: spec.hook for spec in REGISTRY_KINDS.values() for old in spec.deprecated_hooks}
+
+# Registry kinds renamed in 0.2; `registries.<old name>` keeps working for one release.
+RENAMED_KINDS = {"pp_engine": "pipeline_schedule"}
 
 
 class Registries:
@@ -127,7 +236,7 @@ class Registries:
 
     model: Registry
     parallel_engine: Registry
-    pp_engine: Registry
+    pipeline_schedule: Registry
     tp_mode: Registry
     optimizer: Registry
     lr_decay: Registry
@@ -138,9 +247,17 @@ class Registries:
     command: Registry
 
     def __init__(self) -> None:
-        self.by_kind = {kind: Registry(kind.replace("_", " "), doc) for kind, (_, doc) in REGISTRY_KINDS.items()}
+        self.by_kind = {kind: Registry(kind, spec) for kind, spec in REGISTRY_KINDS.items()}
         for kind, registry in self.by_kind.items():
             setattr(self, kind, registry)
 
     def __getitem__(self, kind: str) -> Registry:
-        return self.by_kind[kind]
+        return self.by_kind[RENAMED_KINDS.get(kind, kind)]
+
+    def __getattr__(self, name: str) -> Registry:
+        if name in RENAMED_KINDS:
+            warnings.warn(
+                f"registries.{name} is now registries.{RENAMED_KINDS[name]}", DeprecationWarning, stacklevel=2
+            )
+            return self.by_kind[RENAMED_KINDS[name]]
+        raise AttributeError(name)

@@ -40,7 +40,7 @@ def plugins_in_use(trainer: Trainer) -> list[str]:
     par = cfg.parallelism
     used = [
         reg.parallel_engine.get(par.engine),
-        reg.pp_engine.get(par.pp_engine),
+        reg.pipeline_schedule.get(par.pp_engine),
         reg.model.get(cfg.model.model_type),
         reg.optimizer.get(cfg.optimizer.optimizer_factory.name),
         reg.zero_stage.get(str(cfg.optimizer.zero_stage)),

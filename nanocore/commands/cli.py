@@ -14,6 +14,7 @@ from nanocore import __version__
 from nanocore.commands import generate, plan  # light: torch is imported when a command runs
 from nanocore.errors import NanocoreError
 from nanocore.log_setup import rank, setup_logging
+from nanocore.registry import RENAMED_HOOKS
 
 ERROR_GRACE_S = 10.0  # how long ranks other than 0 wait before exiting on a user error
 
@@ -89,6 +90,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         origin = f"{i.distribution} {i.version}" if i.distribution else i.location
         print(f"  {i.name:<14} {origin}  [{i.source}]")
         print(f"  {'':<14} hooks: {', '.join(i.hooks) or '-'}")
+        stale = [f"{h} -> {RENAMED_HOOKS[h]}" for h in i.hooks if h in RENAMED_HOOKS]
+        if stale:
+            print(f"  {'':<14} deprecated hook names, still called until 0.3: {', '.join(stale)}")
     print("registries:")
     for kind, reg in registries.by_kind.items():
         names = []

@@ -85,7 +85,7 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
 
     engine = lookup("parallel_engine", par.engine, "parallelism.engine")
     p += _plugin_checks("parallelism", None, engine, config)
-    schedule = lookup("pp_engine", par.pp_engine, "parallelism.pp_engine")
+    schedule = lookup("pipeline_schedule", par.pp_engine, "parallelism.pp_engine")
     p += _plugin_checks("parallelism", None, schedule, config)
     tp_mode = lookup("tp_mode", par.tp_mode, "parallelism.tp_mode")
     p += _plugin_checks("parallelism", None, tp_mode, config)

@@ -94,7 +94,7 @@ class ParallelismArgs:
         "instead of hanging: a stalled or dead rank.",
         default=600.0,
     )
-    engine: str = doc("Parallel engine plugin that runs the model.", default="3d")
+    engine: str = doc("Parallel engine plugin that runs the model (built-in: nd, alias 3d).", default="nd")
 
 
 @attrs.define

@@ -31,6 +31,6 @@ def register_optimizers(registry):
 
 
 @hookimpl
-def register_lr_schedulers(registry):
+def register_lr_decays(registry):
     for name, shape in DECAY_SHAPES.items():
         registry.register(name, shape, description=(shape.__doc__ or "").strip())

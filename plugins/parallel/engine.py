@@ -1,4 +1,4 @@
-"""The built-in 3D engine: data x tensor x pipeline parallelism over any model plugin.
+"""The built-in engine: data, context, tensor, pipeline and expert parallelism over any model plugin.
 
 Parallelism is applied from outside the single-device model in a fixed order (TP plan, expert
 split, pipeline cut, materialisation), then one pipeline executor runs the configured schedule,
@@ -53,8 +53,8 @@ class DPInfo:
         self.group, self.rank, self.size = group, rank, size
 
 
-class Engine3D:
-    """Registered as parallel engine `3d`."""
+class ParallelEngine:
+    """Registered as parallel engine `nd` (alias `3d`): dp, cp, tp, pp and ep over one process grid."""
 
     def __init__(self, config: Config, registries: Registries):
         self.config, self.registries = config, registries
@@ -66,7 +66,7 @@ class Engine3D:
         self.device = ctx.device
         self.is_main = ctx.rank == 0
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        self.schedule = registries.pp_engine.get(par.pp_engine).factory(config)
+        self.schedule = registries.pipeline_schedule.get(par.pp_engine).factory(config)
         # a mode that does not implement TPMode is refused when the config is checked (nanocore.config.checks)
         self.tp_mode: TPMode | None = registries.tp_mode.get(par.tp_mode).factory() if par.tp > 1 else None
         # what the ZeRO stage asks of the engine: sharded gradients (2), sharded parameters (3)

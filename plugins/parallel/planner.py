@@ -63,7 +63,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
     zero = registries.zero_stage.get(str(opt.zero_stage))
     shards_grads = bool(zero.extras.get("shards_gradients"))
     shards_params = bool(zero.extras.get("shards_parameters"))
-    sharded_state = opt.zero_stage >= 1
+    sharded_state = bool(zero.extras.get("shards_optimizer_state"))
     optimizer_entry = registries.optimizer.get(opt.optimizer_factory.name)
     count = optimizer_entry.extras.get("states_per_element")
     states = count(opt.optimizer_factory.args) if count is not None else None
@@ -75,7 +75,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
     sequence_parallel = bool(tp_mode is not None and tp_mode.sequence_parallel)
     chunks = pp * par.pp_virtual_stages
     microbatches = tokens.batch_accumulation_per_replica
-    schedule = registries.pp_engine.get(par.pp_engine).factory(config)
+    schedule = registries.pipeline_schedule.get(par.pp_engine).factory(config)
     in_flight = simulate(schedule, pp, microbatches, par.pp_virtual_stages).peak_in_flight
     mb_tokens = tokens.micro_batch_size * tokens.sequence_length / cp
     bucket_bytes = config.model.ddp_bucket_cap_mb * 2**20

@@ -1,4 +1,4 @@
-"""Registers the built-in 3D engine (`parallelism.engine: 3d`) and its config checks."""
+"""Registers the built-in engine (`parallelism.engine: nd`, alias `3d`) and its config checks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from nanocore.config import Config
 from nanocore.moe_api import moe_layers
 from nanocore.sequence_api import sequence_features
 
-from .engine import Engine3D
+from .engine import ParallelEngine
 from .planner import plan
 
 
@@ -93,9 +93,10 @@ def check_blocks(config: Config, model_entry) -> list[str]:
 @hookimpl
 def register_parallel_engines(registry):
     registry.register(
-        "3d",
-        Engine3D,
-        description="data x tensor x pipeline parallelism (gloo on CPU, NCCL on GPU)",
+        "nd",
+        ParallelEngine,
+        aliases=("3d",),  # the name before 0.2: configs that say `engine: 3d` keep running
+        description="data, context, tensor, pipeline and expert parallelism (dp, cp, tp, pp, ep; gloo on CPU, NCCL on GPU)",
         check=check,
         check_model=check_blocks,
         plan=plan,

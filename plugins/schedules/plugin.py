@@ -29,7 +29,7 @@ def layout_check(schedule_class: type) -> Callable[[Any, Any], list[str]]:
 
 
 @hookimpl
-def register_pipeline_engines(registry):
+def register_pipeline_schedules(registry):
     for cls, description in (
         (AllForwardAllBackwardSchedule, "all forwards, then all backwards (GPipe); holds m microbatches"),
         (OneFOneBSchedule, "one forward one backward (PipeDream-flush); holds <= pp microbatches"),
@@ -78,7 +78,7 @@ def run_pipeline_sim(args: argparse.Namespace) -> int:
     p, m, v = args.pp, args.microbatches, args.virtual_stages
     if min(p, m, v) < 1:
         raise ConfigError(f"--pp, --microbatches and --virtual-stages must be at least 1, got {p}, {m}, {v}")
-    entry = load_plugins().registries.pp_engine.get(args.engine, path="--engine")
+    entry = load_plugins().registries.pipeline_schedule.get(args.engine, path="--engine")
     config = Config(
         model=ModelArgs(model_config=None),
         parallelism=ParallelismArgs(pp=p, pp_engine=entry.name, pp_virtual_stages=v),

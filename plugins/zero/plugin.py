@@ -24,12 +24,14 @@ def register_zero_stages(registry):
         "1",
         sharded,
         description="optimizer state and fp32 master weights sharded over data parallel",
+        shards_optimizer_state=True,
         exchange_buffer_bytes=EXCHANGE_BYTES,  # the all-gather of updated rows, per piece (memory planner)
     )
     registry.register(
         "2",
         sharded,
         description="ZeRO-1 plus gradients reduce-scattered during backward: each rank keeps only its rows",
+        shards_optimizer_state=True,
         shards_gradients=True,
         exchange_buffer_bytes=EXCHANGE_BYTES,
     )
@@ -37,6 +39,7 @@ def register_zero_stages(registry):
         "3",
         sharded,
         description="ZeRO-2 plus parameters sharded at rest: each pipeline block's gathered around its use",
+        shards_optimizer_state=True,
         shards_gradients=True,
         shards_parameters=True,
     )

@@ -77,7 +77,7 @@ def test_plugin_command_runs_with_its_own_arguments(capsys):
 def test_plugin_command_user_error_is_one_message(capsys):
     assert cli_run(["pipeline-sim", "--engine", "1f1c"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("nanocore: error: --engine: unknown pp engine '1f1c' (did you mean '1f1b'?)")
+    assert err.startswith("nanocore: error: --engine: unknown pipeline schedule '1f1c' (did you mean '1f1b'?)")
     assert err.count("nanocore: error:") == 1 and "Traceback" not in err
 
 

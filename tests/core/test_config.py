@@ -106,7 +106,7 @@ MISTAKES = {
     ),
     "unknown pp_engine": (
         {"parallelism": {"pp_engine": "1f1c"}},
-        ["parallelism.pp_engine: unknown pp engine '1f1c' (did you mean '1f1b'?); installed: ", "afab", "interleaved"],
+        ["parallelism.pp_engine: unknown pipeline schedule '1f1c' (did you mean '1f1b'?); installed: ", "afab", "interleaved"],
     ),
     "unknown tp_mode": (
         {"parallelism": {"tp_mode": "ALLREDUCE"}},
@@ -221,7 +221,7 @@ def cross_field_mistakes() -> dict:
 
 CROSS_FIELD_LINES = [
     ("parallelism: dp x tp x pp = 2 x 1 x 1 = 2 but the launch has 1 process(es)",),
-    ("parallelism.pp_engine: unknown pp engine '1f1c'",),
+    ("parallelism.pp_engine: unknown pipeline schedule '1f1c'",),
     ("parallelism.tp_mode: unknown tp mode 'ALLREDUCE'",),
     ("model.model_config.num_key_value_heads: num_attention_heads = 4 is not divisible by num_key_value_heads = 3",),
     ("data_stages[0].data.dataset[0].dataset_folder: folder 'gone' does not exist",),
@@ -309,7 +309,7 @@ def test_config_command_prints_every_default(tmp_path, capsys):
         "recompute_layer": False,
         "recompute_granularity": None,
         "collective_timeout_seconds": 600.0,
-        "engine": "3d",
+        "engine": "nd",
     }
     model_config = printed["model"]["model_config"]
     assert model_config["model_type"] == "llama"

@@ -121,7 +121,7 @@ def test_model_dataset_logger_and_observer_blocks_train_together(blocks, tmp_pat
 
 def test_schedule_block_passes_the_simulator_and_the_config_checks(blocks):
     registries = load_plugins([str(blocks["schedule"])]).registries
-    entry = registries.pp_engine.get("afab_lifo")
+    entry = registries.pipeline_schedule.get("afab_lifo")
     schedule = entry.factory(None)
     for p in (1, 2, 4):
         for m in (1, 3, 8):
@@ -180,6 +180,8 @@ def test_hook_reference_lists_every_hook_with_its_arguments():
 
 
 def test_registry_reference_lists_every_registry_with_its_hook():
-    rows = re.findall(r"^\| `(\w+)` \| `(\w+)` \|", section("Registry reference"), re.M)
-    assert dict(rows) == {kind: hook for kind, (hook, _) in REGISTRY_KINDS.items()}
+    rows = re.findall(r"^\| `(\w+)` \| `(\w+)` \|.*\| ([^|]+) \|$", section("Registry reference"), re.M)
+    assert {kind: hook for kind, hook, _ in rows} == {kind: spec.hook for kind, spec in REGISTRY_KINDS.items()}
     assert len(rows) == len(REGISTRY_KINDS)
+    for kind, _, extras in rows:  # the extras column names exactly what the kind accepts
+        assert sorted(re.findall(r"`(\w+)`", extras)) == sorted(REGISTRY_KINDS[kind].extras), kind

@@ -32,9 +32,9 @@ BUILTIN_HOOKS = {
     "data": ["register_commands", "register_dataset_formats"],
     "llama": ["register_models"],
     "loggers": ["register_loggers"],
-    "optim": ["register_lr_schedulers", "register_optimizers"],
+    "optim": ["register_lr_decays", "register_optimizers"],
     "parallel": ["register_parallel_engines"],
-    "schedules": ["register_commands", "register_pipeline_engines"],
+    "schedules": ["register_commands", "register_pipeline_schedules"],
     "tokenizers": ["register_tokenizers"],
     "tp_modes": ["register_tp_modes"],
     "zero": ["register_zero_stages"],
@@ -91,8 +91,8 @@ def test_registries_list_names_with_their_plugin_and_aliases(listing):
     registries = listing["registries"]
     expected = {
         "model": {"llama": "llama"},
-        "parallel_engine": {"3d": "parallel"},
-        "pp_engine": {"afab": "schedules", "1f1b": "schedules", "interleaved": "schedules"},
+        "parallel_engine": {"nd": "parallel"},
+        "pipeline_schedule": {"afab": "schedules", "1f1b": "schedules", "interleaved": "schedules"},
         "tp_mode": {"ALL_REDUCE": "tp_modes", "REDUCE_SCATTER": "tp_modes"},
         "optimizer": {"adam_w": "optim", "sgd": "optim"},
         "lr_decay": {"cosine": "optim", "linear": "optim", "1-sqrt": "optim", "constant": "optim"},
@@ -107,6 +107,7 @@ def test_registries_list_names_with_their_plugin_and_aliases(listing):
             assert registries[kind][name]["plugin"] == plugin, (kind, name)
     assert sorted(registries["optimizer"]["adam_w"]["aliases"]) == ["adamW", "adamw"]
     assert registries["optimizer"]["sgd"]["aliases"] == []
+    assert registries["parallel_engine"]["nd"]["aliases"] == ["3d"]  # configs written before 0.2 keep running
 
 
 # -- a local plugin (model + dataset format + logger) trains end to end -------------------------------

@@ -110,7 +110,7 @@ def test_zero_stage_nobody_provides(registries, tmp_path):
 
 def test_unknown_schedule_and_tp_mode_list_installed(registries, tmp_path):
     message = problems(registries, tmp_path, parallelism={"pp_engine": "zb", "tp_mode": "RING"})
-    assert "unknown pp engine 'zb'" in message and "1f1b, afab, interleaved" in message
+    assert "unknown pipeline schedule 'zb'" in message and "1f1b, afab, interleaved" in message
     assert "unknown tp mode 'RING'" in message and "ALL_REDUCE, REDUCE_SCATTER" in message
 
 

@@ -60,7 +60,7 @@ def _init_peak(rank: int, world_size: int, parallelism: dict, zero_stage: int, f
     from nanocore.config.converter import structure_config
     from nanocore.plugins import load_plugins
     from nanocore_plugins.parallel import engine as engine_module
-    from nanocore_plugins.parallel.engine import Engine3D
+    from nanocore_plugins.parallel.engine import ParallelEngine
     from tests.helpers.training import tiny_config
 
     model = {
@@ -76,7 +76,7 @@ def _init_peak(rank: int, world_size: int, parallelism: dict, zero_stage: int, f
         tokens={"batch_accumulation_per_replica": 1},
     )
     config = structure_config(raw, registries)
-    engine = Engine3D(config, registries)
+    engine = ParallelEngine(config, registries)
     measured = {}
     original = engine_module.build_local_model
 

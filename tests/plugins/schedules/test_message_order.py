@@ -33,7 +33,7 @@ def message_orders(schedule, pp, m, v):
 
 @pytest.mark.parametrize("name,pp,m,v", LAYOUTS)
 def test_each_direction_is_received_in_the_order_it_is_sent(name, pp, m, v):
-    schedule = load_plugins().registries.pp_engine.get(name).factory(None)
+    schedule = load_plugins().registries.pipeline_schedule.get(name).factory(None)
     sent, received = message_orders(schedule, pp, m, v)
     assert sent.keys() == received.keys()
     for key in sent:

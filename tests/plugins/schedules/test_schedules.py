@@ -141,10 +141,10 @@ def test_timeline_picture_shows_forwards_backwards_and_idle_time():
 
 def test_registered_schedules_check_the_config_layout():
     registries = _registries()
-    assert set(registries.pp_engine.names()) == {"afab", "1f1b", "interleaved"}
+    assert set(registries.pipeline_schedule.names()) == {"afab", "1f1b", "interleaved"}
 
     def check(engine, pp, m, v):
-        return registries.pp_engine.get(engine).extras["check"](_config(pp, m, v, engine), None)
+        return registries.pipeline_schedule.get(engine).extras["check"](_config(pp, m, v, engine), None)
 
     assert check("interleaved", 4, 6, 2) == [
         "tokens.batch_accumulation_per_replica: the interleaved schedule needs a multiple of pp (4) microbatches, got 6"
@@ -159,7 +159,7 @@ def test_registered_schedules_check_the_config_layout():
         )
         assert check(engine, 4, 3, 1) == []
     assert check("interleaved", 4, 8, 2) == []
-    schedule = registries.pp_engine.get("interleaved").factory(_config(4, 8, 2, "interleaved"))
+    schedule = registries.pipeline_schedule.get("interleaved").factory(_config(4, 8, 2, "interleaved"))
     assert schedule.name == "interleaved"
     with pytest.raises(ScheduleError, match="multiple of pp"):
         schedule.actions(4, 0, 6, 2)
@@ -214,7 +214,7 @@ def test_pipeline_sim_command_runs_a_third_party_schedule(monkeypatch, capsys, t
         "        mbs = range(num_microbatches)\n"
         "        return [Action('F', 0, m) for m in mbs] + [Action('B', 0, m) for m in reversed(mbs)]\n"
         "@hookimpl\n"
-        "def register_pipeline_engines(registry):\n"
+        "def register_pipeline_schedules(registry):\n"
         "    registry.register('reverse_gpipe', lambda config: Reverse())\n"
     )
     assert (

@@ -16,7 +16,7 @@ import pytest
 # distribution name -> (folder under examples/plugins, import package, entry-point name, registry kind)
 PACKAGES = {
     "nanocore-gpt2": ("nanocore-gpt2", "nanocore_gpt2", "gpt2", "model"),
-    "nanocore-looped-bfs": ("nanocore-looped-bfs", "nanocore_looped_bfs", "looped_bfs", "pp_engine"),
+    "nanocore-looped-bfs": ("nanocore-looped-bfs", "nanocore_looped_bfs", "looped_bfs", "pipeline_schedule"),
 }
 
 TINY_GPT2 = {

@@ -25,7 +25,7 @@ def test_nanocore_plugins_json_lists_the_package_under_its_own_distribution(dist
     assert info["distribution"] == distribution and info["version"] == "0.1.0"
     assert info["location"] == f"{module}.plugin"
     registered = data["registries"][kind]
-    assert registered[entry_point]["plugin"] == entry_point  # gpt2 in "model", looped_bfs in "pp_engine"
+    assert registered[entry_point]["plugin"] == entry_point  # gpt2 in "model", looped_bfs in "pipeline_schedule"
     assert (ROOT / "examples" / "plugins" / folder / "pyproject.toml").is_file()
 
 

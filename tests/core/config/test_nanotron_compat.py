@@ -8,7 +8,6 @@ import copy
 import logging
 import math
 import re
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -22,8 +21,8 @@ from nanocore.config.nanotron import IGNORED, NANOTRON_SHAPE, NO_QUIET_VALUE, RE
 from nanocore.errors import ConfigError
 from nanocore.plugins import load_plugins
 from nanocore.trainer import run_training
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "nanotron_config_tiny_llama.yaml"
 DOC = REPO / "docs" / "migrating-from-nanotron.md"
 

@@ -17,9 +17,9 @@ import yaml
 from nanocore.commands.cli import run as cli_run
 from nanocore.config import dump_yaml, structure_config
 from nanocore.plugins import load_plugins
+from tests.helpers.paths import CORE_FIXTURES as FIXTURES
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 BIN = Path(sys.executable).parent
 ERROR = "nanocore: error: "
 

@@ -22,6 +22,7 @@ def test_cp_memory_benchmark_runs_cp1_and_cp2_side_by_side(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

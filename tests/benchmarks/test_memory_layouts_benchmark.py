@@ -24,6 +24,7 @@ def test_memory_layouts_benchmark_runs_every_layout(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}

@@ -3,40 +3,28 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
+from tests.helpers.launch import torchrun
+from tests.helpers.paths import EXAMPLES
 
 
 @pytest.mark.slow
 def test_3d_example_trains_on_eight_cpu_processes(tmp_path):
     examples = tmp_path / "examples"
-    shutil.copytree(ROOT / "examples" / "local_plugins", examples / "local_plugins")
-    config = yaml.safe_load((ROOT / "examples" / "config_tiny_llama_3d.yaml").read_text())
+    shutil.copytree(EXAMPLES / "local_plugins", examples / "local_plugins")
+    config = yaml.safe_load((EXAMPLES / "config_tiny_llama_3d.yaml").read_text())
     assert (config["parallelism"]["dp"], config["parallelism"]["tp"], config["parallelism"]["pp"]) == (2, 2, 2)
     config["tokens"].update(train_steps=3, val_check_interval=3, limit_val_batches=1, sequence_length=64)
     config["data_stages"][0]["data"]["dataset"][0]["max_megabytes"] = 0.3
     config["data_stages"][0]["data"]["validation_dataset"][0]["max_megabytes"] = 0.3
     config["checkpoints"]["checkpoint_interval"] = 0
     (examples / "config.yaml").write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NANOCORE_", "RANK", "WORLD_SIZE"))}
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(
-        [str(TORCHRUN), "--nproc_per_node=8", str(ROOT / "run_train.py"), "--config-file", str(examples / "config.yaml")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # --standalone: the rendezvous takes a port the OS gives, not the fixed 29500 a second launch would also want
+    result = torchrun(["--config-file", str(examples / "config.yaml")], tmp_path, nproc=8, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "logs" / "tiny_llama_3d" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "lm_loss" in r] == [1, 2, 3]

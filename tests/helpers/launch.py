@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
+
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 RUN_TRAIN = REPO / "run_train.py"
 
@@ -40,3 +43,31 @@ def start_torchrun(
         torchrun_command(nproc, script, args), cwd=cwd, env=launch_env(**env), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+
+
+# One frame of a Python traceback: `  File "/a/path.py", line 12, in name` (a SyntaxError's has no `, in`).
+_FRAME = re.compile(r'^\s*File "([^"\n]+)", line \d+', re.MULTILINE)
+
+
+def own_code() -> list[Path]:
+    """Where nanocore's own code lies: the core, the built-in plugins, the launch scripts and the tests,
+    in this checkout and wherever the installed packages are imported from."""
+    places = [REPO / "nanocore", REPO / "plugins", REPO / "tests", REPO / "run_train.py", REPO / "run_generate.py"]
+    for package in ("nanocore", "nanocore_plugins"):
+        spec = importlib.util.find_spec(package)
+        places += [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    return places
+
+
+def frames_from(output: str, *places: Path) -> list[str]:
+    """The files of the traceback frames in `output` that are one of `places` or lie under one of them.
+
+    Paths are compared as paths, never as text, so the answer does not depend on where the checkout or
+    the virtual environment lives: `~/nanocore/.venv/bin/torchrun` is torchrun's code, not nanocore's."""
+    roots = [p.resolve() for p in places]
+    found = []
+    for name in _FRAME.findall(output):
+        path = Path(name)
+        if path.is_absolute() and any(path.resolve() == r or path.resolve().is_relative_to(r) for r in roots):
+            found.append(name)
+    return found

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
+
+from nanocore.launch_env import launch_env
 
 
 def rank() -> int:
     """This process's global rank as the launcher set it (0 without torchrun)."""
-    return int(os.environ.get("RANK", "0"))
+    return launch_env().rank
 
 
 def setup_logging(level: str = "info", replica_level: str = "warning") -> None:

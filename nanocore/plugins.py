@@ -6,6 +6,7 @@ Local plugins come from `--plugin` (CLI), the YAML `plugins:` list (relative to 
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata
 import importlib.util
@@ -39,6 +40,17 @@ class PluginInfo:
     version: str | None
     location: str
     hooks: list[str] = attrs.field(factory=list)
+
+
+def is_plugin_file(spec: str) -> bool:
+    """Whether a local plugin spec names a `.py` file (else an importable module name): it ends in
+    `.py` or holds a path separator. Decided here only: loading and the checkpoint's config agree."""
+    return spec.endswith(".py") or os.sep in spec or "/" in spec
+
+
+def add_plugin_argument(parser: argparse.ArgumentParser, help: str = "load a local plugin (repeatable)") -> None:
+    """The `--plugin FILE_OR_MODULE` option every command that loads plugins takes (`args.plugin`: a list)."""
+    parser.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE", help=help)
 
 
 def _split_env(value: str | None) -> list[str]:
@@ -87,7 +99,7 @@ class PluginSet:
         path = Path(spec)
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
-        is_file = spec.endswith(".py") or os.sep in spec or "/" in spec
+        is_file = is_plugin_file(spec)
         name = path.stem if is_file else spec
         if name in disabled_names():
             return

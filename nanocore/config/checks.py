@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from nanocore.config.schema import Config
+from nanocore.dtypes import DTYPE_NAMES
 from nanocore.errors import ConfigError
 from nanocore.registry import Entry, Registries
 from nanocore.tp_api import TPMode
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 WARMUP_STYLES = ("linear", "constant")
 
 
@@ -55,8 +55,8 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
             "tokens.document_masking: documents end with the tokenizer's eos_token_id, but there is no tokenizer "
             "(tokenizer.tokenizer_name_or_path is null); set one (e.g. byte) or turn document_masking off"
         )
-    if config.model.dtype not in DTYPES:
-        p.append(f"model.dtype: expected one of {', '.join(DTYPES)}, got {config.model.dtype!r}")
+    if config.model.dtype not in DTYPE_NAMES:
+        p.append(f"model.dtype: expected one of {', '.join(DTYPE_NAMES)}, got {config.model.dtype!r}")
     if config.model.make_vocab_size_divisible_by < 1:
         p.append("model.make_vocab_size_divisible_by: must be at least 1")
     lr = opt.learning_rate_scheduler

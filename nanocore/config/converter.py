@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import os
 from functools import partial
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -28,6 +27,7 @@ from nanocore.config.schema import (
     OptimizerFactory,
 )
 from nanocore.errors import ConfigError
+from nanocore.launch_env import launch_env
 from nanocore.registry import Registries, Registry
 
 log = logging.getLogger(__name__)
@@ -348,7 +348,7 @@ def structure_config(raw: Any, registries: Registries | None) -> Config:
     except Exception as exc:
         problems = collect_problems(exc)
         raise ConfigError(problems) from None
-    if ignored and os.environ.get("RANK", "0") == "0":
+    if ignored and launch_env().rank == 0:
         log.warning(warning_text(ignored))
     if registries is None:
         return config

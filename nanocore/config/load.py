@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import attrs
@@ -12,6 +11,7 @@ from nanocore.config.converter import read_yaml, structure_config
 from nanocore.config.overrides import apply_overrides
 from nanocore.config.schema import Config
 from nanocore.errors import ConfigError
+from nanocore.launch_env import launch_env
 from nanocore.plugins import PluginSet, load_plugins
 
 
@@ -33,7 +33,7 @@ def yaml_plugin_list(raw: object, path: Path) -> list[str]:
 
 
 def launch_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launch_env().world_size
 
 
 def load_config(

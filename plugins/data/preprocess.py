@@ -11,6 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from nanocore.errors import DataError
+from nanocore.plugins import add_plugin_argument
 from nanocore_plugins.data.sources import iter_documents
 from nanocore_plugins.data.writer import NanosetWriter, token_size_for, tokenize_batches
 
@@ -49,13 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start a new .ds file before one would exceed N tokens (documents are never split)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace the .ds files already in --output")
-    parser.add_argument(
-        "--plugin",
-        action="append",
-        default=[],
-        metavar="FILE_OR_MODULE",
-        help="extra plugin providing a tokenizer (repeatable)",
-    )
+    add_plugin_argument(parser, help="extra plugin providing a tokenizer (repeatable)")
 
 
 def build_tokenizer(name: str, tokenizer_type: str | None, plugins: Any) -> Any:

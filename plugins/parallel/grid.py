@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
-import os
 import weakref
 from itertools import product
 
@@ -40,6 +39,7 @@ import torch.distributed.nn  # noqa: F401  isort: skip
 
 from nanocore.config.schema import ParallelismArgs
 from nanocore.errors import ConfigError
+from nanocore.launch_env import launch_env
 
 log = logging.getLogger("nanocore")
 
@@ -48,9 +48,8 @@ class ParallelContext:
     """Ranks, process groups and the device of this process."""
 
     def __init__(self, par: ParallelismArgs):
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        env = launch_env()
+        self.world_size, self.rank, self.local_rank = env.world_size, env.rank, env.local_rank
         self.dp, self.tp, self.pp = par.dp, par.tp, par.pp
         self.cp = par.context_parallel_size
         if self.dp * self.tp * self.pp * self.cp != self.world_size:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from nanocore.config import Config
+from nanocore.dtypes import resolve_dtype_name
 from nanocore.pipeline_sim import simulate
 from nanocore.registry import Registries
 from nanocore.sharding import row_share
@@ -53,7 +54,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[str, Any]:
     """The memory plan of `config` (see the module docstring). `device` resolves `model.dtype: auto`."""
     par, tokens, opt = config.parallelism, config.tokens, config.optimizer
-    dtype_name = config.model.dtype if config.model.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    dtype_name = resolve_dtype_name(config.model.dtype, device)
     dtype_bytes = DTYPE_BYTES[dtype_name]
     grad_bytes = 4 if opt.accumulate_grad_in_fp32 else dtype_bytes
     cp, tp, pp, dp = par.context_parallel_size, par.tp, par.pp, par.dp

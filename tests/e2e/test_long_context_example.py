@@ -5,33 +5,20 @@ checkpoint (written at cp4) samples with run_generate.py on one process."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.test_tiny_example import EXAMPLES, ROOT, run
+from tests.helpers.examples import copy_example, run_python
+from tests.helpers.launch import torchrun
+from tests.helpers.paths import EXAMPLES, REPO
 
 COMMITTED_YAML = EXAMPLES / "config_long_context.yaml"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-
-
-def copy_example(tmp_path: Path) -> Path:
-    folder = tmp_path / "examples"
-    folder.mkdir()
-    for name in ("config_tiny_llama.py", "config_long_context.py"):
-        shutil.copy(EXAMPLES / name, folder)
-    shutil.copytree(EXAMPLES / "local_plugins", folder / "local_plugins", ignore=shutil.ignore_patterns("__pycache__"))
-    return folder
 
 
 def test_config_script_writes_exactly_the_committed_yaml(tmp_path):
-    folder = copy_example(tmp_path)
-    result = run(str(folder / "config_long_context.py"), cwd=tmp_path)
+    folder = copy_example(tmp_path, "config_long_context.py")
+    result = run_python(str(folder / "config_long_context.py"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (folder / "config_long_context.yaml").read_bytes() == COMMITTED_YAML.read_bytes(), (
         "examples/config_long_context.yaml is stale: run `python examples/config_long_context.py` and commit it"
@@ -46,7 +33,7 @@ def test_config_script_writes_exactly_the_committed_yaml(tmp_path):
 
 @pytest.mark.slow
 def test_long_context_example_trains_on_four_cpu_processes_and_generates(tmp_path):
-    folder = copy_example(tmp_path)
+    folder = copy_example(tmp_path, "config_long_context.py")
     config = yaml.safe_load(COMMITTED_YAML.read_text())
     config["tokens"].update(train_steps=8, val_check_interval=8, limit_val_batches=1, sequence_length=512)
     config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 2
@@ -56,16 +43,8 @@ def test_long_context_example_trains_on_four_cpu_processes_and_generates(tmp_pat
     config["logging"]["log_dir"] = str(tmp_path / "logs")
     config_file = folder / "short.yaml"
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NANOCORE_", "RANK", "WORLD_SIZE"))}
-    env["OMP_NUM_THREADS"] = "1"
-    train = subprocess.run(
-        [str(TORCHRUN), "--nproc_per_node=4", str(ROOT / "run_train.py"), "--config-file", str(config_file)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # --standalone: the rendezvous takes a port the OS gives, not the fixed 29500 a second launch would also want
+    train = torchrun(["--config-file", str(config_file)], REPO, nproc=4, timeout=600)
     assert train.returncode == 0, train.stderr[-3000:]
     assert "x cp 4 (each sequence split over 4 ranks)" in train.stderr and "documents masked" in train.stderr
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -77,6 +56,6 @@ def test_long_context_example_trains_on_four_cpu_processes_and_generates(tmp_pat
     assert meta["topology"]["cp"] == 4 and meta["topology"]["world_size"] == 4
 
     args = ["--ckpt-path", str(tmp_path / "checkpoints"), "--prompt", "def ", "--max-new-tokens", "20"]
-    generated = run(str(ROOT / "run_generate.py"), *args, "--temperature", "0", cwd=ROOT)
+    generated = run_python(str(REPO / "run_generate.py"), *args, "--temperature", "0", cwd=REPO)
     assert generated.returncode == 0, generated.stderr[-3000:]
     assert generated.stdout.startswith("def ")

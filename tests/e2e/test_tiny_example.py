@@ -5,25 +5,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from nanocore_plugins.tokenizers.byte import ByteTokenizer
+from tests.helpers.examples import copy_example, run_python
+from tests.helpers.paths import EXAMPLES, REPO
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "examples"
 COMMITTED_YAML = EXAMPLES / "config_tiny_llama.yaml"
-
-
-def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the machine that runs the tests is shared
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def corpus_module():
@@ -35,18 +25,9 @@ def corpus_module():
     return module
 
 
-def copy_example(tmp_path: Path) -> Path:
-    """The example's files in a fresh folder, so nothing a test writes lands in the repository."""
-    folder = tmp_path / "examples"
-    folder.mkdir()
-    shutil.copy(EXAMPLES / "config_tiny_llama.py", folder)
-    shutil.copytree(EXAMPLES / "local_plugins", folder / "local_plugins", ignore=shutil.ignore_patterns("__pycache__"))
-    return folder
-
-
 def test_config_script_writes_exactly_the_committed_yaml(tmp_path):
     folder = copy_example(tmp_path)
-    result = run(str(folder / "config_tiny_llama.py"), cwd=tmp_path)
+    result = run_python(str(folder / "config_tiny_llama.py"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     for name in ("config_tiny_llama.yaml", "config_tiny_llama_3d.yaml"):
         assert (folder / name).read_bytes() == (EXAMPLES / name).read_bytes(), (
@@ -93,7 +74,7 @@ def test_tiny_example_trains_checkpoints_logs_and_generates(tmp_path):
     config_file = folder / "short.yaml"  # beside local_plugins/, as the plugin path is relative to the YAML
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
 
-    train = run(str(ROOT / "run_train.py"), "--config-file", str(config_file), cwd=ROOT)
+    train = run_python(str(REPO / "run_train.py"), "--config-file", str(config_file), cwd=REPO)
     assert train.returncode == 0, train.stderr[-3000:]
 
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -116,7 +97,7 @@ def test_tiny_example_trains_checkpoints_logs_and_generates(tmp_path):
     # From the repository root, where the checkpoint's relative plugin path does not resolve: the data
     # plugin is not needed to sample text.
     args = ["--ckpt-path", str(checkpoints), "--prompt", "def ", "--max-new-tokens", "20", "--temperature", "0"]
-    generated = run(str(ROOT / "run_generate.py"), *args, cwd=ROOT)
+    generated = run_python(str(REPO / "run_generate.py"), *args, cwd=REPO)
     assert generated.returncode == 0, generated.stderr[-3000:]
     text = generated.stdout.rstrip("\n")
     assert text.startswith("def ") and len(text) > len("def ")

@@ -4,30 +4,20 @@ with the MoE metrics in every logger, and run_generate.py sampling from its chec
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.test_tiny_example import EXAMPLES, ROOT, run
-from tests.plugins.loggers.test_loggers import read_scalars
+from tests.helpers.examples import copy_example, run_python
+from tests.helpers.paths import EXAMPLES, REPO
+from tests.helpers.tensorboard import read_scalars
 
 COMMITTED_YAML = EXAMPLES / "config_tiny_moe.yaml"
 
 
-def copy_example(tmp_path: Path) -> Path:
-    folder = tmp_path / "examples"
-    folder.mkdir()
-    for name in ("config_tiny_llama.py", "config_tiny_moe.py"):
-        shutil.copy(EXAMPLES / name, folder)
-    shutil.copytree(EXAMPLES / "local_plugins", folder / "local_plugins", ignore=shutil.ignore_patterns("__pycache__"))
-    return folder
-
-
 def test_config_script_writes_exactly_the_committed_yaml(tmp_path):
-    folder = copy_example(tmp_path)
-    result = run(str(folder / "config_tiny_moe.py"), cwd=tmp_path)
+    folder = copy_example(tmp_path, "config_tiny_moe.py")
+    result = run_python(str(folder / "config_tiny_moe.py"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (folder / "config_tiny_moe.yaml").read_bytes() == COMMITTED_YAML.read_bytes(), (
         "examples/config_tiny_moe.yaml is stale: run `python examples/config_tiny_moe.py` and commit the result"
@@ -42,7 +32,7 @@ def test_config_script_writes_exactly_the_committed_yaml(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_moe_trains_logs_moe_metrics_and_generates(tmp_path):
-    folder = copy_example(tmp_path)
+    folder = copy_example(tmp_path, "config_tiny_moe.py")
     config = yaml.safe_load(COMMITTED_YAML.read_text())
     config["tokens"].update(
         train_steps=20, sequence_length=128, micro_batch_size=4, val_check_interval=10, limit_val_batches=2
@@ -56,7 +46,7 @@ def test_tiny_moe_trains_logs_moe_metrics_and_generates(tmp_path):
     config_file = folder / "short.yaml"
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
 
-    train = run(str(ROOT / "run_train.py"), "--config-file", str(config_file), cwd=ROOT)
+    train = run_python(str(REPO / "run_train.py"), "--config-file", str(config_file), cwd=REPO)
     assert train.returncode == 0, train.stderr[-3000:]
 
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -75,7 +65,7 @@ def test_tiny_moe_trains_logs_moe_metrics_and_generates(tmp_path):
     assert [s for s, _ in scalars["train/moe_max_load"]] == list(range(1, 21))
 
     args = ["--ckpt-path", str(tmp_path / "checkpoints"), "--prompt", "def ", "--max-new-tokens", "20"]
-    generated = run(str(ROOT / "run_generate.py"), *args, "--temperature", "0", cwd=ROOT)
+    generated = run_python(str(REPO / "run_generate.py"), *args, "--temperature", "0", cwd=REPO)
     assert generated.returncode == 0, generated.stderr[-3000:]
     text = generated.stdout.rstrip("\n")
     assert text.startswith("def ") and len(text) > len("def ")

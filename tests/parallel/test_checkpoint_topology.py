@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.compare import rel_diff
+from tests.helpers.parity import RTOL, weight_diffs
 from tests.helpers.training import run_training, tiny_config
-from tests.parallel.test_parity import RTOL, weight_diffs
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import pytest
 
 from nanocore.checkpoint.tensors import ShardReader
 from tests.helpers.compare import rel_diff
+from tests.helpers.parity import RTOL, weight_diffs
 from tests.helpers.training import TINY_MODEL, run_training, tiny_config
-from tests.parallel.test_parity import RTOL, weight_diffs
 
 pytestmark = pytest.mark.slow
 

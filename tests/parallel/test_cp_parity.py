@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import moe_parity as moe
+from tests.helpers.parity import GLOBAL_MICROBATCHES, assert_matches, layout, reference
 from tests.helpers.training import run_training, tiny_config
-from tests.parallel.test_parity import GLOBAL_MICROBATCHES, assert_matches, layout, reference
 
 pytestmark = pytest.mark.slow
 
@@ -55,8 +56,6 @@ def test_context_parallel_with_tied_embeddings_across_stages(tmp_path, tmp_path_
 def test_context_parallel_with_expert_parallel_mixtral(tmp_path, tmp_path_factory):
     """Experts split over the two context-parallel ranks (EP carved from DP x CP), each holding half
     of every sequence: the auxiliary loss sums its statistics over both halves, like one process."""
-    from tests.parallel import test_moe_parity as moe
-
     par = layout(context_parallel_size=2, expert_parallel_size=2, tp=2, tp_mode="REDUCE_SCATTER")
     run = run_training(moe.moe_config(tmp_path, par), world(par))
     moe.assert_matches(run, moe.reference(tmp_path_factory))

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from tests.helpers.compare import rel_diff
+from tests.helpers.parity import GLOBAL_MICROBATCHES, assert_matches, layout
 from tests.helpers.training import run_training, tiny_config
-from tests.parallel.test_parity import GLOBAL_MICROBATCHES, assert_matches, layout
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.compare import rel_diff
+from tests.helpers.moe_parity import TINY_MIXTRAL, moe_config
+from tests.helpers.parity import RTOL, layout, weight_diffs
 from tests.helpers.training import run_training
-from tests.parallel.test_moe_parity import TINY_MIXTRAL, layout, moe_config
-from tests.parallel.test_parity import RTOL, weight_diffs
 
 pytestmark = pytest.mark.slow
 

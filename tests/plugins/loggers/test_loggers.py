@@ -14,6 +14,7 @@ import torch
 
 from nanocore.logging_api import LoggerContext
 from nanocore.plugins import load_plugins
+from tests.helpers.tensorboard import read_scalars
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +106,6 @@ def test_jsonl_fresh_run_in_an_existing_folder_starts_a_new_file(registries, tmp
 
 
 # -- tensorboard ------------------------------------------------------------------------------
-
-
-def read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(folder))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def test_tensorboard_scalars_are_train_tags(registries, tmp_path):

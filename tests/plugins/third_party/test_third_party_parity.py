@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.parity import assert_matches
 from tests.helpers.training import run_training, tiny_config
-from tests.parallel.test_parity import assert_matches
 from tests.plugins.third_party.packages import gpt2_config, require
 
 pytestmark = pytest.mark.slow

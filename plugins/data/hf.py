@@ -101,7 +101,6 @@ def load_local_dataset(path: Path, splits: list[str], config_name: str | None, n
     """A `datasets.Dataset` from a file, a folder of data files, or a save_to_disk folder."""
     if is_saved_dataset(path):
         return load_saved(path, splits)
-    datasets = offline_datasets()
     kwargs: dict[str, Any] = {"cache_dir": str(cache_dir), "num_proc": num_proc if num_proc > 1 else None}
     if path.is_file():  # a single file is a single ("train") split, whatever hf_dataset_splits says
         builder = BUILDERS.get(path.suffix.lower(), "text")
@@ -115,12 +114,15 @@ def load_local_dataset(path: Path, splits: list[str], config_name: str | None, n
     if builder == "text":
         kwargs["sample_by"] = "document"  # a text file is one document, as in `nanocore preprocess`
     parts = []
-    for split in splits:
-        try:
-            parts.append(datasets.load_dataset(**source, split=split, **kwargs))
-        except Exception as exc:  # datasets raises many types (ValueError for an unknown split, ...)
-            raise DataError(f"{path}: datasets could not load split {split!r}: {type(exc).__name__}: {exc}") from None
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    with offline_datasets() as datasets:  # the Hub stays reachable for the rest of the process
+        for split in splits:
+            try:
+                parts.append(datasets.load_dataset(**source, split=split, **kwargs))
+            except Exception as exc:  # datasets raises many types (ValueError for an unknown split, ...)
+                raise DataError(
+                    f"{path}: datasets could not load split {split!r}: {type(exc).__name__}: {exc}"
+                ) from None
+        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def tokenizer_identity(tokenizer: Any) -> Any:

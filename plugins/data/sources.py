@@ -1,7 +1,7 @@
 """Where documents come from: local text/JSON/Parquet/CSV files and `save_to_disk` folders.
 
 A `.txt` file is one document everywhere in nanocore (not one document per line). Nothing here
-touches the network: `datasets` is imported with its offline switches on.
+touches the network: `datasets` is called with its offline switches on (`offline_datasets`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import csv
 import json
 import os
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +20,41 @@ from nanocore.errors import DataError
 BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def offline_datasets() -> Any:
-    """Import `datasets` with every Hub access switched off (also when it was imported before)."""
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    import datasets
+OFFLINE_ENV = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
 
-    datasets.config.HF_DATASETS_OFFLINE = True
-    datasets.config.HF_HUB_OFFLINE = True
-    datasets.logging.disable_progress_bar()  # ours is the one that counts documents
-    return datasets
+
+@contextmanager
+def offline_datasets() -> Iterator[Any]:
+    """`datasets`, with every Hub access and its progress bars switched off for the calls made in the block.
+
+    Scoped to nanocore's own calls: the environment variables (read by worker processes) and the
+    flags `datasets` and `huggingface_hub` read at each call are put back on the way out, so other
+    code in the same process (transformers, a notebook around a run) reaches the Hub as it would
+    without nanocore. (Not thread-safe: nanocore builds datasets on one thread.)
+    """
+    saved_env = {name: os.environ.get(name) for name in OFFLINE_ENV}
+    os.environ.update(dict.fromkeys(OFFLINE_ENV, "1"))
+    import datasets
+    import huggingface_hub.constants as hub
+
+    flags = [(datasets.config, "HF_DATASETS_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"), (hub, "HF_HUB_OFFLINE")]
+    saved_flags = [(module, name, getattr(module, name)) for module, name in flags]
+    bars = datasets.logging.is_progress_bar_enabled()
+    try:
+        for module, name in flags:
+            setattr(module, name, True)
+        datasets.logging.disable_progress_bar()  # ours is the one that counts documents
+        yield datasets
+    finally:
+        for module, name, value in saved_flags:
+            setattr(module, name, value)
+        if bars:
+            datasets.logging.enable_progress_bar()
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def is_saved_dataset(folder: Path) -> bool:
@@ -41,21 +67,21 @@ def is_saved_dataset(folder: Path) -> bool:
 
 def load_saved(folder: Path, splits: list[str]) -> Any:
     """`datasets.load_from_disk`, with the requested splits of a DatasetDict concatenated."""
-    datasets = offline_datasets()
-    try:
-        loaded = datasets.load_from_disk(str(folder))
-    except Exception as exc:
-        raise DataError(f"{folder}: cannot read this save_to_disk folder: {exc}") from None
-    if isinstance(loaded, datasets.DatasetDict):
-        missing = [s for s in splits if s not in loaded]
-        if missing:
-            raise DataError(
-                f"{folder}: no split {', '.join(map(repr, missing))}; it has {', '.join(map(repr, loaded))} "
-                "(choose with hf_dataset_splits / --split)"
-            )
-        parts = [loaded[s] for s in splits]
-        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    return loaded
+    with offline_datasets() as datasets:
+        try:
+            loaded = datasets.load_from_disk(str(folder))
+        except Exception as exc:
+            raise DataError(f"{folder}: cannot read this save_to_disk folder: {exc}") from None
+        if isinstance(loaded, datasets.DatasetDict):
+            missing = [s for s in splits if s not in loaded]
+            if missing:
+                raise DataError(
+                    f"{folder}: no split {', '.join(map(repr, missing))}; it has {', '.join(map(repr, loaded))} "
+                    "(choose with hf_dataset_splits / --split)"
+                )
+            parts = [loaded[s] for s in splits]
+            return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        return loaded
 
 
 def require_column(columns: Iterable[str], column: str, where: Any) -> None:

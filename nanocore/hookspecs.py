@@ -21,7 +21,7 @@ class NanocoreSpecs:
         """Register model types: `registry.register(name, build, config_class=...)`.
 
         `build(model_args, *, vocab_multiple)` returns an `nn.Module` (built on the current default device, usually meta)
-        that follows `nanocore.model_api.ModelProtocol`.
+        that follows `nanocore.model_api.CausalLM`.
         """
 
     @hookspec

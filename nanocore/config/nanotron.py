@@ -7,7 +7,7 @@ listed in `RENAMED` are read under their nanocore name. Any other unknown key is
 did-you-mean: a typo never hides behind the compatibility table.
 
 docs/migrating-from-nanotron.md shows every nanotron key; its "ignored" and "renamed" rows are these tables
-(tests/core/test_nanotron_compat.py compares them).
+(tests/core/config/test_nanotron_compat.py compares them).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import attrs
 
 
 def doc(text: str, **kw: Any) -> Any:
-    """An attrs field with a docstring kept in its metadata (shown by `nanocore config --help-fields`)."""
+    """An attrs field with its docstring kept in `metadata["doc"]`: every config field says what it is."""
     return attrs.field(metadata={"doc": text}, **kw)
 
 
@@ -57,7 +57,7 @@ class CheckpointsArgs:
 
 @attrs.define
 class ParallelismArgs:
-    """Data x tensor x pipeline layout and the plugins that implement it."""
+    """The process layout over its axes (dp, cp, tp, pp and ep) and the plugins that implement it."""
 
     dp: int = doc("Data-parallel replicas.", default=1)
     tp: int = doc("Tensor-parallel ranks (innermost; same node).", default=1)

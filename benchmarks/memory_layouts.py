@@ -71,7 +71,7 @@ def config(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any]:
 
 def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> None:
     plugins, config = init_rank(rank, world, raw, store)
-    from nanocore.commands.plan import plan_for
+    from nanocore.plan import plan_for
 
     planned = plan_for(config, plugins.registries, "cpu")
     CLEAR_REFS.write_text("5")

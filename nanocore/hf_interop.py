@@ -1,9 +1,9 @@
-"""Hugging Face transformers interop, generic over model plugins.
+"""Hugging Face transformers interop, generic over model plugins (the library half of `nanocore convert`).
 
-`nanocore convert --to-hf CHECKPOINT OUT_DIR` writes `config.json` + `model.safetensors` that
+`nanocore convert --to-hf CHECKPOINT OUT_DIR` (`to_hf`) writes `config.json` + `model.safetensors` that
 `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads; `nanocore convert --from-hf
-HF_DIR OUT` writes a step-0 nanocore checkpoint; and `model.init_method.path` may name an HF folder,
-whose weights then start a run at any (dp, tp, pp).
+HF_DIR OUT` (`from_hf`) writes a step-0 nanocore checkpoint with the meta.json a trained one has;
+and `model.init_method.path` may name an HF folder, whose weights then start a run at any (dp, tp, pp).
 
 The core only moves files and full tensors. A model plugin that speaks transformers declares, in
 the extras of its model registry entry:
@@ -34,9 +34,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from nanocore.checkpoint.folder import FORMAT_VERSION, begin_save, finish_save, resolve_checkpoint, write_json
+from nanocore.checkpoint.folder import begin_save, finish_save, resolve_checkpoint
+from nanocore.checkpoint.meta import META, CheckpointMeta, Topology, write_meta
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader, write_shards
 from nanocore.config import Config, GeneralArgs, ModelArgs, TokenizerArgs, unstructure_config
+from nanocore.dtypes import torch_dtype
 from nanocore.errors import ConfigError, NanocoreError, PluginError
 from nanocore.model_api import valid_rows
 from nanocore.registry import Entry, Registries
@@ -65,7 +67,7 @@ class HFModel:
 def is_hf_folder(path: str | Path) -> bool:
     """A transformers model folder: config.json naming its `architectures`, and not a nanocore step folder."""
     path = Path(path)
-    if not (path / HF_CONFIG).is_file() or (path / "meta.json").exists():
+    if not (path / HF_CONFIG).is_file() or (path / META).exists():
         return False
     try:
         return "architectures" in json.loads((path / HF_CONFIG).read_text())
@@ -250,7 +252,7 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path, plugins: Sequence[str] = 
 def write_hf(out: Path, hf_config: dict[str, Any], hf_state: dict[str, torch.Tensor], dtype: str | None = None) -> None:
     """config.json (with `torch_dtype` of the tensors) and one model.safetensors."""
     if dtype is not None:
-        hf_state = {k: v.to(getattr(torch, dtype)) for k, v in hf_state.items()}
+        hf_state = {k: v.to(torch_dtype(dtype)) for k, v in hf_state.items()}
     tensors = {k: v.detach().cpu().contiguous() for k, v in hf_state.items()}
     dtypes = [t.dtype for t in tensors.values() if t.is_floating_point()]
     if dtypes:
@@ -304,17 +306,16 @@ def from_hf(hf_dir: str | Path, out: str | Path, plugins: Sequence[str] = ()) ->
     tmp = begin_save(root, 0, True, lambda: None)
     shards = [ShardedTensor(n, t, Placement.whole(t.shape)) for n, t in sorted(hf.state.items())]
     write_shards(tmp / "model" / "rank-00000.safetensors", shards)
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "step": 0,
-        "consumed_tokens": 0,
-        "topology": {"dp": 1, "tp": 1, "pp": 1, "world_size": 1},
-        "data": {"consumed_samples": {}},
-        "lr_scheduler": {"step": 0},
-        "model_type": hf.entry.name,
-        "converted_from": str(hf_dir.resolve()),
-    }
-    write_json(tmp / "meta.json", meta)
+    meta = CheckpointMeta(
+        step=0,
+        consumed_tokens=0,
+        topology=Topology(),  # one process holds every tensor whole
+        data={"consumed_samples": {}},
+        lr_scheduler={"step": 0},
+        model_type=hf.entry.name,
+        converted_from=str(hf_dir.resolve()),
+    )
+    write_meta(tmp, meta)
     (tmp / "config.yaml").write_text(yaml.safe_dump(unstructure_config(config), sort_keys=False))
     folder = finish_save(root, 0, True, lambda: None)
     log.info("wrote %s as nanocore checkpoint %s", hf_dir, folder)

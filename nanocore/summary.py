@@ -6,7 +6,8 @@
     model: llama, 1.06M parameters; per rank 0.19M-0.34M
     ...
 
-Every rank calls `run_summary` (it gathers each rank's sizes); only rank 0 prints the result.
+Every rank calls `run_summary` (it gathers each rank's sizes); only rank 0 prints the result. The
+trainer fills a `RunFacts` record for it: the summary reads that record, never the trainer.
 """
 
 from __future__ import annotations
@@ -14,10 +15,35 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 import nanocore
+from nanocore.plan import plan_for
 
 if TYPE_CHECKING:
-    from nanocore.trainer import Trainer
+    from nanocore.config.schema import Config
+    from nanocore.data.schedule import DataSchedule
+    from nanocore.engine_api import Engine
+    from nanocore.plugins import PluginInfo
+    from nanocore.registry import Registries
+    from nanocore.run_folders import RunFolders
+
+
+@attrs.frozen
+class RunFacts:
+    """What the start-of-run summary reports about a run, filled by the trainer once everything is built."""
+
+    config: Config
+    registries: Registries
+    plugin_infos: list[PluginInfo]  # every loaded plugin (PluginSet.list())
+    engine: Engine
+    data: DataSchedule  # the training data schedule (its current stage's mixture is built)
+    folders: RunFolders
+    run_name: str
+    run_id: str
+    overrides: list[str]  # command-line key.path=value, as given
+    step: int  # the step the run starts after (0, or the resumed checkpoint's)
+    tokens_per_step: int
 
 
 def _count(n: float) -> str:
@@ -34,9 +60,9 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def plugins_in_use(trainer: Trainer) -> list[str]:
+def plugins_in_use(run: RunFacts) -> list[str]:
     """The plugins that provide what this config selects, plus those that observe the run, with versions."""
-    cfg, reg = trainer.config, trainer.registries
+    cfg, reg = run.config, run.registries
     par = cfg.parallelism
     used = [
         reg.parallel_engine.get(par.engine),
@@ -60,8 +86,8 @@ def plugins_in_use(trainer: Trainer) -> list[str]:
     used += [reg.logger.get(spec.name) for spec in cfg.logging.loggers]
     names = list(dict.fromkeys(entry.plugin for entry in used))
     observers = {"on_train_start", "on_step_end", "on_validation_end", "on_checkpoint_saved", "on_train_end"}
-    names += [i.name for i in trainer.plugins.list() if i.name not in names and observers & set(i.hooks)]
-    infos = {i.name: i for i in trainer.plugins.list()}
+    names += [i.name for i in run.plugin_infos if i.name not in names and observers & set(i.hooks)]
+    infos = {i.name: i for i in run.plugin_infos}
     by_origin: dict[str, list[str]] = {}
     for name in names:
         info = infos.get(name)
@@ -75,10 +101,10 @@ def plugins_in_use(trainer: Trainer) -> list[str]:
     return [f"{', '.join(ns)} ({origin})" for origin, ns in by_origin.items()]
 
 
-def _stage_lines(trainer: Trainer) -> list[str]:
-    cfg = trainer.config
+def _stage_lines(run: RunFacts) -> list[str]:
+    cfg = run.config
     stages, total = cfg.data_stages, cfg.tokens.train_steps
-    current = trainer.data.stage_index(min(trainer.step + 1, total))
+    current = run.data.stage_index(min(run.step + 1, total))
     lines = []
     for i, stage in enumerate(stages):
         first = stage.start_training_step
@@ -88,9 +114,9 @@ def _stage_lines(trainer: Trainer) -> list[str]:
             continue
         steps = last - first + 1
         formats = ", ".join(spec.format for spec in stage.data.dataset)
-        line = f"stage {stage.name!r}: steps {first}-{last} ({_count(steps * trainer.tokens_per_step)} tokens) from {formats}"
+        line = f"stage {stage.name!r}: steps {first}-{last} ({_count(steps * run.tokens_per_step)} tokens) from {formats}"
         if i == current:
-            mixture = trainer.data.mixture(i)
+            mixture = run.data.mixture(i)
             samples = sum(source.size for source in mixture.sources)
             epochs = steps * cfg.global_batch_size / samples
             line += f"; {samples:,} samples of {cfg.tokens.sequence_length} tokens ({epochs:.2g} epochs)"
@@ -116,12 +142,10 @@ def _memory_line(estimates: list[dict[str, Any]]) -> str:
     )
 
 
-def _plan_line(trainer: Trainer) -> str:
+def _plan_line(run: RunFacts) -> str:
     """The planner's figures for the largest rank (what `nanocore plan` prints for this config)."""
-    from nanocore.commands.plan import plan_for
-
     try:
-        plan = plan_for(trainer.config, trainer.registries, trainer.engine.device.type)
+        plan = plan_for(run.config, run.registries, run.engine.device.type)
     except Exception as exc:  # a planner that cannot read this layout must not stop the run
         return f"memory plan: unavailable ({type(exc).__name__}: {exc})"
     if plan is None:
@@ -136,17 +160,17 @@ def _plan_line(trainer: Trainer) -> str:
     )
 
 
-def run_summary(trainer: Trainer) -> str:
+def run_summary(run: RunFacts) -> str:
     """The summary text (call on every rank: it gathers each rank's sizes)."""
-    cfg, engine = trainer.config, trainer.engine
+    cfg, engine = run.config, run.engine
     par, tokens = cfg.parallelism, cfg.tokens
     cp = par.context_parallel_size
     experts_from = "dp x cp" if cp > 1 else "dp"
     estimates = engine.all_gather_object(engine.memory_estimate())
-    stage_lines = _stage_lines(trainer)
-    folders = trainer.folders
+    stage_lines = _stage_lines(run)
+    folders = run.folders
     if folders.resume_from is not None:
-        start = f"resumed from {folders.resume_from} at step {trainer.step}"
+        start = f"resumed from {folders.resume_from} at step {run.step}"
     elif folders.overwrite:
         start = "fresh start (checkpoints.overwrite: replacing an earlier run's checkpoints and logs)"
     else:
@@ -161,9 +185,9 @@ def run_summary(trainer: Trainer) -> str:
     keep = f"keep last {ck.keep_last_n}" if ck.keep_last_n else "keep all"
     loggers = ", ".join(spec.name for spec in cfg.logging.loggers) or "none"
     lines = [
-        f"nanocore {nanocore.__version__} | run {trainer.run_name!r} (id {trainer.run_id}) | {start}",
-        *([f"overrides: {', '.join(trainer.overrides)}"] if trainer.overrides else []),
-        "plugins: " + "; ".join(plugins_in_use(trainer)),
+        f"nanocore {nanocore.__version__} | run {run.run_name!r} (id {run.run_id}) | {start}",
+        *([f"overrides: {', '.join(run.overrides)}"] if run.overrides else []),
+        "plugins: " + "; ".join(plugins_in_use(run)),
         f"layout: {engine.world_size} process(es) = dp {par.dp}"
         f"{f' x cp {cp} (each sequence split over {cp} ranks)' if cp > 1 else ''} x tp {par.tp} x pp {par.pp}"
         f"{f' (experts over ep {par.expert_parallel_size} of {experts_from})' if par.expert_parallel_size > 1 else ''}"
@@ -173,10 +197,10 @@ def run_summary(trainer: Trainer) -> str:
         f"model: {cfg.model.model_type}, {_count(total_params)} parameters; per rank {spread}",
         f"tokens: {tokens.sequence_length * cfg.global_batch_size:,} per step (global batch {cfg.global_batch_size} = "
         f"dp {par.dp} x micro-batch {tokens.micro_batch_size} x accumulation {tokens.batch_accumulation_per_replica}, "
-        f"sequence {tokens.sequence_length}{', documents masked' if tokens.document_masking else ''}); {tokens.train_steps} steps = {_count(trainer.tokens_per_step * tokens.train_steps)} tokens",
+        f"sequence {tokens.sequence_length}{', documents masked' if tokens.document_masking else ''}); {tokens.train_steps} steps = {_count(run.tokens_per_step * tokens.train_steps)} tokens",
         *[f"data {line}" for line in stage_lines],
         _memory_line(estimates),
-        _plan_line(trainer),
+        _plan_line(run),
         f"checkpoints: {Path(ck.checkpoints_path).resolve()} ({every}, {keep}) | logs: "
         f"{Path(cfg.logging.log_dir).resolve()} ({loggers})",
     ]

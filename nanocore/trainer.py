@@ -18,16 +18,8 @@ from typing import Any
 
 import yaml
 
-from nanocore.checkpoint.folder import (
-    FORMAT_VERSION,
-    begin_save,
-    finish_save,
-    load_rng,
-    read_json,
-    resolve_checkpoint,
-    save_rng,
-    write_json,
-)
+from nanocore.checkpoint.folder import begin_save, finish_save, load_rng, resolve_checkpoint, save_rng
+from nanocore.checkpoint.meta import CheckpointMeta, Topology, write_meta
 from nanocore.checkpoint.tensors import ShardReader, write_shards
 from nanocore.checkpoint.verify import verify_for_resume
 from nanocore.config import Config, unstructure_config
@@ -41,9 +33,10 @@ from nanocore.logging_api import LoggerContext
 from nanocore.lr_schedule import LRSchedule
 from nanocore.memory import MemoryMeter
 from nanocore.mfu import mfu, peak_flops_per_device
+from nanocore.plugins import is_plugin_file
 from nanocore.run_folders import clear_for_overwrite, plan_run_folders
 from nanocore.signals import StopRequests
-from nanocore.summary import run_summary
+from nanocore.summary import RunFacts, run_summary
 
 log = logging.getLogger("nanocore")
 
@@ -103,12 +96,28 @@ class Trainer:
             clear_for_overwrite(self.folders)
         self.tokens_per_step = cfg.global_batch_size * cfg.tokens.sequence_length
         self._peak = peak_flops_per_device(engine.device, engine.dtype)
-        summary = run_summary(self)  # every rank takes part: it gathers per-rank sizes
+        summary = run_summary(self._facts())  # every rank takes part: it gathers per-rank sizes
         if engine.is_main:
             log.info("%s", summary)
             self.loggers = self._make_loggers()
 
     # -- construction ---------------------------------------------------------------------
+    def _facts(self) -> RunFacts:
+        """What the start-of-run summary reports about this run, once everything is built."""
+        return RunFacts(
+            config=self.config,
+            registries=self.registries,
+            plugin_infos=self.plugins.list(),
+            engine=self.engine,
+            data=self.data,
+            folders=self.folders,
+            run_name=self.run_name,
+            run_id=self.run_id,
+            overrides=self.overrides,
+            step=self.step,
+            tokens_per_step=self.tokens_per_step,
+        )
+
     @property
     def _validating(self) -> bool:
         t = self.config.tokens
@@ -172,30 +181,29 @@ class Trainer:
                 self.engine.load_model(init_reader(init, self.config.model, self.registries))
                 log.info("initialised weights from %s", init)
             return
-        self._verify(folder, load_optimizer=cfg.load_optimizer)
-        meta = read_json(folder / "meta.json")
-        if self.folders.continues and meta.get("run_id"):
-            self.run_id = str(meta["run_id"])  # the same run goes on: loggers such as W&B continue it
+        meta = self._verify(folder, load_optimizer=cfg.load_optimizer)
+        if self.folders.continues and meta.run_id:
+            self.run_id = meta.run_id  # the same run goes on: loggers such as W&B continue it
         self.engine.load_model(ShardReader(folder / "model"))
         if cfg.load_optimizer:
             self.engine.load_optimizer(ShardReader(folder / "optimizer"))
         elif self.engine.is_main:
             log.info("optimizer state not loaded (checkpoints.load_optimizer: false): it starts afresh")
         if cfg.load_lr_scheduler:
-            self.lr_schedule.load_state_dict(meta["lr_scheduler"])
-        self.data.load_state_dict(meta["data"])
-        self.step = int(meta["step"])
-        self.consumed_tokens = int(meta["consumed_tokens"])
-        same_layout = meta["topology"]["world_size"] == self.engine.world_size
+            self.lr_schedule.load_state_dict(meta.lr_scheduler)
+        self.data.load_state_dict(meta.data)
+        self.step = meta.step
+        self.consumed_tokens = meta.consumed_tokens
+        same_layout = meta.topology.world_size == self.engine.world_size
         if not (same_layout and load_rng(folder, self.engine.rank)):
-            log.info("RNG states not restored (checkpoint written by %d ranks)", meta["topology"]["world_size"])
+            log.info("RNG states not restored (checkpoint written by %d ranks)", meta.topology.world_size)
         if self.engine.is_main:
             log.info("resumed from %s at step %d", folder, self.step)
 
-    def _verify(self, folder: Path, load_optimizer: bool) -> None:
+    def _verify(self, folder: Path, load_optimizer: bool) -> CheckpointMeta:
         """Every rank checks its share of the checkpoint's checksums; all stop with one message on damage."""
         engine = self.engine
-        verify_for_resume(
+        return verify_for_resume(
             folder,
             rank=engine.rank,
             world_size=engine.world_size,
@@ -215,23 +223,18 @@ class Trainer:
             save_rng(tmp, engine.rank)
             if engine.is_main:
                 par = cfg.parallelism
-                meta = {
-                    "format_version": FORMAT_VERSION,
-                    "step": self.step,
-                    "consumed_tokens": self.consumed_tokens,
-                    "topology": {
-                        "dp": par.dp,
-                        "tp": par.tp,
-                        "pp": par.pp,
-                        "cp": par.context_parallel_size,
-                        "world_size": engine.world_size,
-                    },
-                    "data": self.data.state_dict(),
-                    "lr_scheduler": self.lr_schedule.state_dict(),
-                    "model_type": cfg.model.model_type,
-                    "run_id": self.run_id,
-                }
-                write_json(tmp / "meta.json", meta)
+                meta = CheckpointMeta(
+                    step=self.step,
+                    consumed_tokens=self.consumed_tokens,
+                    topology=Topology(
+                        dp=par.dp, tp=par.tp, pp=par.pp, cp=par.context_parallel_size, world_size=engine.world_size
+                    ),
+                    data=self.data.state_dict(),
+                    lr_scheduler=self.lr_schedule.state_dict(),
+                    model_type=cfg.model.model_type,
+                    run_id=self.run_id,
+                )
+                write_meta(tmp, meta)
                 (tmp / "config.yaml").write_text(yaml.safe_dump(self._portable_config(), sort_keys=False))
         except Exception as exc:  # handed to finish_save, which tells every rank
             failure = exc
@@ -256,7 +259,7 @@ class Trainer:
         resolved = []
         for spec in data.get("plugins", []):
             path = Path(spec)
-            if self.config_dir is not None and (spec.endswith(".py") or "/" in spec) and not path.is_absolute():
+            if self.config_dir is not None and is_plugin_file(spec) and not path.is_absolute():
                 path = self.config_dir / path
                 spec = str(path.resolve()) if path.exists() else spec
             resolved.append(spec)

@@ -4,7 +4,7 @@ when complete, so a crash mid-save never damages the last good checkpoint.
     checkpoints/
       latest.txt                 "20"
       20/
-        meta.json                step, topology, data positions, LR scheduler, consumed tokens
+        meta.json                step, topology, data positions, LR scheduler, consumed tokens (meta.py)
         config.yaml              the config the run was trained with
         model/rank-00003.safetensors       pieces of parameters with their place in the full tensor
         optimizer/rank-00003.safetensors   pieces of optimizer state, same scheme
@@ -39,7 +39,6 @@ from nanocore.checkpoint.manifest import MANIFEST, read_manifest, write_manifest
 from nanocore.errors import NanocoreError
 
 LATEST = "latest.txt"
-FORMAT_VERSION = 2  # 2: vocabulary parameters hold the true rows only (no layout padding)
 REMOVING = ".removing-"  # a step folder being replaced or removed: renamed first, so a step folder is whole or absent
 log = logging.getLogger("nanocore")
 
@@ -298,15 +297,6 @@ def _write_latest(root: Path, step: int) -> None:
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
-
-
-def read_json(path: Path) -> Any:
-    if not path.exists():
-        raise NanocoreError(f"checkpoint file {path} is missing (incomplete checkpoint?)")
-    try:
-        return json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise NanocoreError(f"checkpoint file {path} is not valid JSON ({exc}); {way_on(path.parent)}") from None
 
 
 # -- RNG -------------------------------------------------------------------------------------

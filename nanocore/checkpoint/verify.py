@@ -3,8 +3,10 @@ and checksum, meta.json and config.yaml parse, and every tensor is fully covered
 
 On resume every rank checks, the checksums shared out (rank r hashes every world_size-th file, so
 a large checkpoint is read once, in parallel, well within the collective timeout), and every rank
-raises the lowest rank's verdict; `nanocore checkpoint verify` runs the same checks without training. A problem is one CheckpointError that names the file, what is
-wrong with it and the way on (the previous complete checkpoint in the same folder, if any).
+raises the lowest rank's verdict; `nanocore checkpoint verify` (nanocore/commands/checkpoint.py) runs the
+same checks without training. A problem is one CheckpointError that names the file, what is wrong
+with it and the way on (the previous complete checkpoint in the same folder, if any). meta.json is
+parsed and checked by nanocore/checkpoint/meta.py, the one reader of that file.
 Checkpoints written before manifests existed are parsed but cannot be checked byte for byte.
 """
 
@@ -23,13 +25,13 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from nanocore.checkpoint.folder import LATEST, CheckpointError, resolve_checkpoint, step_folders, way_on
+from nanocore.checkpoint.folder import CheckpointError, way_on
 from nanocore.checkpoint.manifest import ALGORITHM, MANIFEST, describe, read_manifest
+from nanocore.checkpoint.meta import META, CheckpointMeta, MetaError, parse_meta
 from nanocore.checkpoint.tensors import META_KEY
 from nanocore.errors import NanocoreError
 
 log = logging.getLogger("nanocore")
-META_KEYS = ("step", "consumed_tokens", "topology", "data", "lr_scheduler")
 FRESH_OPTIMIZER = (
     "; or, to go on from this checkpoint with fresh optimizer state (AdamW's moments restart from zero), "
     "set checkpoints.load_optimizer: false"
@@ -47,7 +49,7 @@ class Report:
     """What was checked in a step folder that passed."""
 
     folder: Path
-    meta: dict[str, Any]
+    meta: CheckpointMeta
     has_manifest: bool
     checked: list[str]  # one line per kind of file
 
@@ -71,12 +73,13 @@ def verify_checkpoint(folder: Path, *, optimizer: bool = True, share: tuple[int,
 
 def verify_for_resume(
     folder: Path, *, rank: int, world_size: int, gather: Callable[[Any], list[Any]], load_optimizer: bool
-) -> dict[str, Any]:
+) -> CheckpointMeta:
     """Every rank checks its share of the checkpoint a run resumes from (`gather`: the engine's
     all_gather_object); every rank raises the same error (the lowest rank's verdict), or all go on.
-    Returns meta.json."""
+    Returns the checkpoint's meta.json."""
     verdict: str | None = None
     failure: BaseException | None = None
+    report: Report | None = None
     try:
         report = verify_checkpoint(folder, optimizer=load_optimizer, share=(rank, world_size))
         if rank == 0 and not report.has_manifest:
@@ -89,7 +92,8 @@ def verify_for_resume(
         raise failure  # a bug, with its traceback
     if first is not None:
         raise CheckpointError(first)
-    return json.loads((folder / "meta.json").read_text())
+    assert report is not None
+    return report.meta
 
 
 def _verify(folder: Path, optimizer: bool, share: tuple[int, int]) -> Report:
@@ -103,8 +107,7 @@ def _verify(folder: Path, optimizer: bool, share: tuple[int, int]) -> Report:
     else:
         checked.append(f"{MANIFEST}: none (written before checkpoints had one): files parsed, not checksummed")
     meta = _read_meta(folder)
-    topology = meta["topology"]
-    checked.append(f"meta.json: step {meta['step']}, written by {topology.get('world_size', '?')} rank(s)")
+    checked.append(f"{META}: step {meta.step}, written by {meta.topology.world_size} rank(s)")
     _parse(folder, "config.yaml", lambda path: yaml.safe_load(path.read_text()), "YAML")
     checked.append("config.yaml: parses")
     model = _index(folder, "model")
@@ -115,7 +118,7 @@ def _verify(folder: Path, optimizer: bool, share: tuple[int, int]) -> Report:
         checked.append(_check_optimizer(folder, model, meta, manifest is not None))
     else:
         checked.append("optimizer: not checked (checkpoints.load_optimizer: false)")
-    checked.append(_check_rng(folder, int(topology.get("world_size", 1)), parse=manifest is None))
+    checked.append(_check_rng(folder, meta.topology.world_size, parse=manifest is None))
     return Report(folder, meta, manifest is not None, checked)
 
 
@@ -154,16 +157,14 @@ def _parse(folder: Path, name: str, parse: Callable[[Path], Any], kind: str) -> 
         raise _Damage(name, f"is not valid {kind} ({first})") from None
 
 
-def _read_meta(folder: Path) -> dict[str, Any]:
-    meta = _parse(folder, "meta.json", lambda path: json.loads(path.read_text()), "JSON")
-    if not isinstance(meta, dict):
-        raise _Damage("meta.json", "is not a JSON object")
-    for key in META_KEYS:
-        if key not in meta:
-            raise _Damage("meta.json", f"lacks {key!r}")
-    if not isinstance(meta["topology"], dict):
-        raise _Damage("meta.json", "has no valid 'topology'")
-    return meta
+def _read_meta(folder: Path) -> CheckpointMeta:
+    def parse(path: Path) -> CheckpointMeta:
+        try:
+            return parse_meta(path.read_text())
+        except MetaError as exc:
+            raise _Damage(META, str(exc)) from None
+
+    return _parse(folder, META, parse, "JSON")
 
 
 @attrs.define
@@ -220,11 +221,11 @@ def _uncovered(tensor: str, pieces: list) -> str | None:
     return f"does not cover all of tensor {tensor!r} (nothing holds the block at {start}): a piece is missing"
 
 
-def _check_optimizer(folder: Path, model: _Index, meta: dict[str, Any], has_manifest: bool) -> str:
+def _check_optimizer(folder: Path, model: _Index, meta: CheckpointMeta, has_manifest: bool) -> str:
     state = _index(folder, "optimizer")
     if not state.tensors:
-        if not has_manifest and int(meta["step"]) > 0:
-            raise _Damage("optimizer/", f"holds no optimizer state, but the checkpoint is of step {meta['step']}")
+        if not has_manifest and meta.step > 0:
+            raise _Damage("optimizer/", f"holds no optimizer state, but the checkpoint is of step {meta.step}")
         return "optimizer: none saved"  # a manifest says so: nothing was written (step 0, or a stateless optimizer)
     owners = {name.split("::")[0] for name in state.tensors}
     missing = sorted(set(model.tensors) - model.untrained - owners)
@@ -251,37 +252,3 @@ def _check_rng(folder: Path, world_size: int, parse: bool) -> str:
             except Exception as exc:
                 raise _Damage(name, f"cannot be read ({type(exc).__name__}: {exc})") from None
     return f"rng: {world_size} file(s)" + ("" if parse else " (checked by checksum)")
-
-
-# -- `nanocore checkpoint verify` ----------------------------------------------------------------
-def verify_command(path: str | Path, every: bool = False, out: Callable[[str], None] = print) -> int:
-    """Check one checkpoint (a step folder, or a checkpoints folder's latest) or, `every`, all of a
-    checkpoints folder's step folders; print what was checked. Raises CheckpointError if one is damaged."""
-    path = Path(path)
-    if not every:
-        report = verify_checkpoint(resolve_checkpoint(path))
-        _print(report, out)
-        return 0
-    folders = step_folders(path)
-    if not folders:
-        raise NanocoreError(f"{path} holds no step folders (with --all, PATH is a checkpoints folder)")
-    damaged = []
-    for folder in folders:
-        try:
-            _print(verify_checkpoint(folder), out)
-        except CheckpointError as exc:
-            out(f"DAMAGED: {exc}")
-            damaged.append(folder.name)
-    latest = path / LATEST
-    out(f"{LATEST}: {latest.read_text().strip() if latest.is_file() else 'none'}")
-    if damaged:
-        raise CheckpointError(
-            f"{len(damaged)} of {len(folders)} checkpoints in {path} are damaged: {', '.join(damaged)}"
-        )
-    return 0
-
-
-def _print(report: Report, out: Callable[[str], None]) -> None:
-    out(f"ok {report.folder}")
-    for line in report.checked:
-        out(f"  {line}")

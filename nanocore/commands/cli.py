@@ -1,4 +1,5 @@
-"""`nanocore` command line: plugins, config, train, and any command a plugin registers."""
+"""`nanocore` command line: plugins, config, train, the other built-in commands of this package,
+and any command a plugin registers."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import traceback
 from collections.abc import Sequence
 
 from nanocore import __version__
-from nanocore.commands import generate, plan  # light: torch is imported when a command runs
+from nanocore.commands import checkpoint, convert, generate, pipeline_sim, plan  # light: torch comes when one runs
 from nanocore.errors import NanocoreError
 from nanocore.log_setup import rank, setup_logging
+from nanocore.plugins import add_plugin_argument
 from nanocore.registry import RENAMED_HOOKS
 
 ERROR_GRACE_S = 10.0  # how long ranks other than 0 wait before exiting on a user error
@@ -30,9 +32,7 @@ def add_overrides_argument(parser: argparse.ArgumentParser) -> None:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-file", required=True, help="YAML training config")
-    parser.add_argument(
-        "--plugin", action="append", default=[], metavar="FILE_OR_MODULE", help="load a local plugin (repeatable)"
-    )
+    add_plugin_argument(parser)
     add_overrides_argument(parser)
 
 
@@ -103,68 +103,45 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_convert(args: argparse.Namespace) -> int:
-    from nanocore import hf_interop
-
-    setup_logging()
-    if args.to_hf:
-        hf_interop.to_hf(args.source, args.dest, args.plugin, args.dtype)
-    else:
-        hf_interop.from_hf(args.source, args.dest, args.plugin)
-    return 0
-
-
-def cmd_checkpoint_verify(args: argparse.Namespace) -> int:
-    from nanocore.checkpoint.verify import verify_command
-
-    return verify_command(args.path, every=args.all)
-
-
 def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanocore", description="nanocore: plugin-based 3D-parallel LLM pretraining")
     parser.add_argument("--version", action="version", version=f"nanocore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plugins", help="list plugins and every registry's names")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE")
+    add_plugin_argument(p)
     p.set_defaults(func=cmd_plugins)
     p = sub.add_parser(
         "config",
         help="validate a config and the tokenizer and data it names; print it with every default filled in",
     )
     p.add_argument("config")
-    p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE")
+    add_plugin_argument(p)
     p.add_argument("--world-size", type=int, default=None, help="also check dp x tp x pp against this many processes")
     p.add_argument("--skip-data", action="store_true", help="do not build the datasets (the tokenizer is still checked)")
     add_overrides_argument(p)
     p.set_defaults(func=cmd_config)
-    p = sub.add_parser("plan", help="bytes per rank (parameters, gradients, optimizer, activations) before launching")
+    p = sub.add_parser("plan", help=plan.HELP)
     plan.add_arguments(p)
     add_overrides_argument(p)
     p.set_defaults(func=plan.cmd_plan)
     p = sub.add_parser("train", help=f"{TRAIN_HELP} (same as run_train.py)")
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
-    p = sub.add_parser("generate", help=f"{GENERATE_HELP} (same as run_generate.py)")
+    p = sub.add_parser("generate", help=f"{generate.HELP} (same as run_generate.py)")
     generate.add_arguments(p)
     p.set_defaults(func=generate.run)
-    p = sub.add_parser("convert", help="convert a checkpoint to a Hugging Face transformers folder, or back")
-    direction = p.add_mutually_exclusive_group(required=True)
-    direction.add_argument("--to-hf", action="store_true", help="SOURCE: nanocore checkpoint; DEST: new HF folder")
-    direction.add_argument("--from-hf", action="store_true", help="SOURCE: HF folder; DEST: new checkpoints folder")
-    p.add_argument("source", help="checkpoints folder (follows latest.txt) or step folder; or an HF model folder")
-    p.add_argument("dest", help="output folder (must not exist or be empty)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="--to-hf: cast the weights")
-    p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE")
-    p.set_defaults(func=cmd_convert)
+    p = sub.add_parser("convert", help=convert.HELP)
+    convert.add_arguments(p)
+    p.set_defaults(func=convert.cmd_convert)
     p = sub.add_parser("checkpoint", help="inspect saved checkpoints")
-    checkpoint = p.add_subparsers(dest="checkpoint_command", required=True)
-    p = checkpoint.add_parser(
-        "verify", help="check a checkpoint without training: manifest, checksums, meta.json, config.yaml, coverage"
-    )
-    p.add_argument("path", help="a checkpoints folder (follows latest.txt) or one step folder")
-    p.add_argument("--all", action="store_true", help="check every step folder of a checkpoints folder")
-    p.set_defaults(func=cmd_checkpoint_verify)
+    checkpoint_commands = p.add_subparsers(dest="checkpoint_command", required=True)
+    p = checkpoint_commands.add_parser("verify", help=checkpoint.VERIFY_HELP)
+    checkpoint.add_verify_arguments(p)
+    p.set_defaults(func=checkpoint.cmd_verify)
+    p = sub.add_parser("pipeline-sim", help=pipeline_sim.HELP)
+    pipeline_sim.add_arguments(p)
+    p.set_defaults(func=pipeline_sim.cmd_pipeline_sim)
     for name, entry in plugin_commands.items():
         p = sub.add_parser(name, help=entry.description or f"provided by plugin {entry.plugin}")
         add = entry.extras.get("add_arguments")
@@ -176,7 +153,7 @@ def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
 
 def _plugin_commands(argv: Sequence[str]) -> dict:
     """Commands registered by plugins; only loaded when the command is not a built-in one."""
-    builtin = {"plugins", "config", "plan", "train", "generate", "convert", "checkpoint"}
+    builtin = {"plugins", "config", "plan", "train", "generate", "convert", "checkpoint", "pipeline-sim"}
     if argv and (argv[0] in builtin or argv[0] in ("--version", "-V")):
         return {}
     from nanocore.plugins import load_plugins
@@ -186,14 +163,13 @@ def _plugin_commands(argv: Sequence[str]) -> dict:
 
 
 TRAIN_HELP = "train a model from a YAML config (one process, or every rank under torchrun)"
-GENERATE_HELP = "continue a prompt with a checkpoint's model"
 
 
 def _standalone_parser(command: str, prog: str) -> argparse.ArgumentParser:
     """The parser of one built-in command under a script's own name (run_train.py, run_generate.py)."""
     add, func, description = {
         "train": (add_train_arguments, cmd_train, TRAIN_HELP),
-        "generate": (generate.add_arguments, generate.run, GENERATE_HELP),
+        "generate": (generate.add_arguments, generate.run, generate.HELP),
     }[command]
     parser = argparse.ArgumentParser(prog=prog, description=f"nanocore: {description}")
     parser.add_argument("--version", action="version", version=f"nanocore {__version__}")

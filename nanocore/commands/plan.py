@@ -1,8 +1,7 @@
 """`nanocore plan CONFIG`: bytes per rank before anything is launched.
 
-The engine plugin does the counting (registry entry extra `plan(config, registries, device) ->
-dict`, see plugins/parallel/planner.py for the built-in engine's formulas); this command prints
-the result per distinct rank, FLOPs per step, and with `--device-memory` whether the layout fits and
+The engine plugin does the counting (nanocore/plan.py asks it); this command prints the result per
+distinct rank, FLOPs per step, and with `--device-memory` whether the layout fits and
 the largest micro-batch that does. The same totals appear in the start-of-run summary.
 """
 
@@ -15,24 +14,21 @@ import sys
 from typing import Any
 
 from nanocore.errors import ConfigError
+from nanocore.plan import plan_for
+from nanocore.plugins import add_plugin_argument
+
+HELP = "bytes per rank (parameters, gradients, optimizer, activations) before launching"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML training config")
-    p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE")
+    add_plugin_argument(p)
     p.add_argument("--world-size", type=int, default=None, help="also check the layout against this many processes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device-memory", default=None, metavar="SIZE", help="e.g. 80GB: say whether every rank fits")
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="resolves model.dtype auto (cuda: bfloat16)"
     )
-
-
-def plan_for(config, registries, device: str) -> dict[str, Any] | None:
-    """The engine's memory plan, or None when the engine plugin offers no planner."""
-    entry = registries.parallel_engine.get(config.parallelism.engine)
-    planner = entry.extras.get("plan")
-    return None if planner is None else planner(config, registries, device=device)
 
 
 def parse_bytes(text: str) -> int:

@@ -10,9 +10,9 @@ import torch
 import yaml
 
 from nanocore.checkpoint.manifest import write_manifest
+from nanocore.checkpoint.model import load_checkpoint_model
 from nanocore.checkpoint.tensors import ShardedTensor, write_shards
 from nanocore.commands.cli import run
-from nanocore.commands.generate import load_checkpoint_model
 from nanocore.config.schema import ModelArgs
 from nanocore.generation import generate
 from nanocore.sharding import Placement

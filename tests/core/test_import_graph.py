@@ -1,5 +1,6 @@
-"""The core's modules import each other without cycles (top-level and deferred imports alike), and
-the core never imports a built-in plugin: it stays readable from the bottom up (docs/code_map.md)."""
+"""The core's modules import each other without cycles (top-level, deferred and `TYPE_CHECKING`
+imports alike: an import kept for annotations is still a dependency of meaning), and the core never
+imports a built-in plugin: it stays readable from the bottom up (docs/code_map.md)."""
 
 from __future__ import annotations
 
@@ -14,24 +15,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def runtime_nodes(tree: ast.AST):
-    """Every node, except those under `if TYPE_CHECKING:` (annotations only, never run)."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            todo.extend(node.orelse)
-            continue
-        yield node
-        todo.extend(ast.iter_child_nodes(node))
-
-
 def imports() -> dict[str, set[str]]:
     modules = {module_name(p): p for p in CORE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found = set()
-        for node in runtime_nodes(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):

@@ -46,8 +46,8 @@ def test_start_of_run_summary_says_what_runs_where(tmp_path, caplog):
     memory = next(line for line in lines if "memory per rank" in line)
     assert "parameters " in memory and "gradients " in memory and "optimizer state " in memory
     # the planner's total for the largest rank, as `nanocore plan` prints it for this config
-    from nanocore.commands.plan import plan_for
     from nanocore.config.converter import structure_config
+    from nanocore.plan import plan_for
     from nanocore.plugins import load_plugins
 
     registries = load_plugins().registries

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from nanocore.checkpoint.model import load_checkpoint_model
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader, write_shards
 from nanocore.commands.cli import run as cli
-from nanocore.commands.generate import load_checkpoint_model
 from nanocore.config.schema import ModelArgs
 from nanocore.errors import PluginError
 from nanocore.model_api import check_model, vocab_parameters, whole_placement

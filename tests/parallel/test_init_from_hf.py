@@ -13,8 +13,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from nanocore.checkpoint.model import load_checkpoint_model
 from nanocore.commands.cli import run as cli
-from nanocore.commands.generate import load_checkpoint_model
 from nanocore.config.checks import check_config
 from nanocore.config.converter import structure_config
 from nanocore.config.load import LoadedConfig

@@ -14,8 +14,9 @@ import json
 import pytest
 
 from nanocore.commands.cli import run as cli_run
-from nanocore.commands.plan import fit, parse_bytes, plan_for
+from nanocore.commands.plan import fit, parse_bytes
 from nanocore.config.converter import structure_config
+from nanocore.plan import plan_for
 from nanocore.plugins import load_plugins
 from tests.helpers.distributed import run_ranks
 from tests.helpers.training import _rank_train, tiny_config

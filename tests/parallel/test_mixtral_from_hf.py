@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
+from nanocore.checkpoint.model import load_checkpoint_model
 from nanocore.commands.cli import run as cli
-from nanocore.commands.generate import load_checkpoint_model
 from tests.helpers.compare import rel_diff
 from tests.helpers.hf_models import hf_model
 from tests.helpers.training import run_training, tiny_config

@@ -108,7 +108,7 @@ def test_manifest_lists_every_file_of_every_rank_with_size_and_checksum(two_step
     assert manifest["checksum"] == "crc32" and manifest["step"] == 2
     assert not (two_steps / ".manifest-parts").exists()
     report = verify_checkpoint(two_steps)
-    assert report.has_manifest and report.meta["step"] == 2
+    assert report.has_manifest and report.meta.step == 2
 
 
 # -- each kind of damage is one message naming the file and the previous checkpoint ------------------
@@ -137,7 +137,7 @@ def test_missing_optimizer_file_is_an_error_unless_load_optimizer_is_false(two_s
     (two_steps / "optimizer" / "rank-00001.safetensors").unlink()
     message = damaged(two_steps, "optimizer/rank-00001.safetensors is missing")
     assert "checkpoints.load_optimizer: false" in message
-    assert resume(two_steps, load_optimizer=False)["step"] == 2  # the moments restart, knowingly
+    assert resume(two_steps, load_optimizer=False).step == 2  # the moments restart, knowingly
 
 
 def test_missing_rng_file(two_steps):
@@ -201,7 +201,7 @@ def test_latest_pointing_to_a_missing_folder_names_the_previous_checkpoint(two_s
 def test_a_checkpoint_without_manifest_still_loads(two_steps, caplog):
     (two_steps / MANIFEST).unlink()
     with caplog.at_level(logging.INFO, logger="nanocore"):
-        assert resume(two_steps)["step"] == 2
+        assert resume(two_steps).step == 2
     assert "written before checkpoints had a manifest" in caplog.text
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nanocore.checkpoint.model import load_checkpoint_model
 from nanocore.commands.cli import run as cli
-from nanocore.commands.generate import load_checkpoint_model
 from nanocore.config.load import load_config
 from nanocore.errors import ConfigError
 from nanocore.generation import generate

@@ -7,6 +7,7 @@ import importlib.metadata
 
 import pytest
 
+from nanocore.commands import pipeline_sim
 from nanocore.config.schema import Config, ModelArgs, ParallelismArgs, TokensArgs
 from nanocore.pipeline_api import Action, ScheduleError
 from nanocore.pipeline_sim import render_timeline, simulate
@@ -173,10 +174,9 @@ def _run_cli(monkeypatch, *argv, local_plugin=None):
         monkeypatch.setenv("NANOCORE_PLUGINS", str(local_plugin))
     else:
         monkeypatch.delenv("NANOCORE_PLUGINS", raising=False)
-    entry = _registries().command.get("pipeline-sim")
     parser = argparse.ArgumentParser()
-    entry.extras["add_arguments"](parser)
-    return entry.factory(parser.parse_args(list(argv)))
+    pipeline_sim.add_arguments(parser)
+    return pipeline_sim.cmd_pipeline_sim(parser.parse_args(list(argv)))
 
 
 def test_pipeline_sim_command_prints_bubble_against_theory(monkeypatch, capsys):

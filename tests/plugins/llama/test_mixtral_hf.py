@@ -19,7 +19,7 @@ from nanocore.generation import generate
 from nanocore.hf_interop import write_hf
 from nanocore_plugins.llama import mixtral_hf
 from tests.helpers.compare import rel_diff
-from tests.plugins.llama.test_mixtral_model import make, tiny
+from tests.helpers.mixtral import make, tiny
 
 TINY_HF_MIXTRAL = {
     "vocab_size": 67,

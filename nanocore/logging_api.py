@@ -10,9 +10,12 @@ and whatever the engine measured (`StepOutput.metrics`: a mixture of experts add
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
+
+if TYPE_CHECKING:
+    from nanocore.config.schema import Config
 
 
 @attrs.define
@@ -20,8 +23,8 @@ class LoggerContext:
     log_dir: Path
     project: str
     run_name: str
-    config: Any  # the whole Config
-    config_dict: dict  # the config as plain data (what wandb/tensorboard record)
+    config: Config  # the whole run's config
+    config_dict: dict[str, object]  # the config as plain data (what wandb/tensorboard record)
     start_step: int  # last completed step before this launch (0 for a fresh run)
     total_steps: int
     # True when this launch continues the run that wrote log_dir (a resume, or a rerun with

@@ -32,10 +32,11 @@ batch into the same micro-batches.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
+from torch.autograd.function import FunctionCtx
 
 
 @attrs.define
@@ -57,13 +58,14 @@ class ExpertRuntime(Protocol):
     ep_rank: int  # this rank's index among them: it holds experts [ep_rank * E/ep_size, ...)
     grad_scale: float  # weight of one micro-batch in the step's loss (1 / micro-batches), for aux losses
 
-    def dispatch(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, list[int], Any]:
+    def dispatch(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, list[int], object]:
         """`x`: [n, hidden] rows sorted by expert (all experts of the model); `tokens_per_expert`: [E]
         int64 counts. Returns the rows this rank's experts must process, sorted by local expert, the
-        row count of each local expert, and a handle for `combine`. Differentiable."""
+        row count of each local expert, and a handle for `combine` (opaque to the layer: it only hands it
+        back). Differentiable."""
         ...
 
-    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, handle: object) -> torch.Tensor:
         """The processed rows back on the rank and in the order `dispatch` took them from. Differentiable."""
         ...
 
@@ -81,10 +83,10 @@ class LocalExperts:
     def __init__(self, grad_scale: float = 1.0):
         self.grad_scale = grad_scale
 
-    def dispatch(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, list[int], Any]:
+    def dispatch(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, list[int], object]:
         return x, [int(n) for n in tokens_per_expert.tolist()], None
 
-    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, handle: object) -> torch.Tensor:
         return y
 
     def token_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -111,15 +113,22 @@ def recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class _AuxLossCtx(FunctionCtx):
+    """What `_AttachAuxLoss` keeps from forward for backward (declared for the type checker)."""
+
+    scale: float
+    saved_tensors: tuple[torch.Tensor, ...]
+
+
 class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx: _AuxLossCtx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(aux)
         ctx.scale = scale
         return output.view_as(output)
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
+    def backward(ctx: _AuxLossCtx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         (aux,) = ctx.saved_tensors
         return grad_output, torch.full_like(aux, ctx.scale), None
 
@@ -130,7 +139,8 @@ def attach_aux_loss(output: torch.Tensor, aux: torch.Tensor, scale: float) -> to
     the main one, through any pipeline stage, without a second backward."""
     if not aux.requires_grad or scale == 0:
         return output
-    return _AttachAuxLoss.apply(output, aux, scale)
+    attached: torch.Tensor = _AttachAuxLoss.apply(output, aux, scale)
+    return attached
 
 
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -141,7 +151,8 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> t
     if grouped is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 0:
         offsets = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         try:
-            return grouped(x, weight.transpose(-2, -1), offs=offsets)
+            product: torch.Tensor = grouped(x, weight.transpose(-2, -1), offs=offsets)
+            return product
         except RuntimeError:  # not supported on this GPU: fall back to one matmul per expert
             pass
     parts = []

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import difflib
 import logging
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any, TypeVar, get_args, get_origin
 
 import attrs
 import cattrs
@@ -49,7 +50,7 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
-def _strict(kind: type, expected: str):
+def _strict(kind: type, expected: str) -> Callable[[Any, type], Any]:
     def structure(value: Any, _: type) -> Any:
         ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -73,7 +74,7 @@ def _as_is(value: Any, _: type) -> Any:
 def _attrs_from_mapping(conv: cattrs.Converter, cls: type) -> Any:
     """Hook factory for attrs classes: cattrs' generated hook fails with AttributeError on a list or a
     scalar; say what was expected instead."""
-    inner = cattrs.gen.make_dict_structure_fn(cls, conv)
+    inner: Callable[[Any, type], Any] = cattrs.gen.make_dict_structure_fn(cls, conv)
 
     def structure(value: Any, _: type) -> Any:
         if not isinstance(value, dict):
@@ -97,7 +98,8 @@ def _list_of(conv: cattrs.Converter, value: Any, cls: type) -> list:
         try:
             out.append(conv.structure(item, item_type))
         except Exception as exc:
-            exc.__notes__ = [*getattr(exc, "__notes__", []), IterableValidationNote(f"@ index {i}", i, item_type)]
+            note = IterableValidationNote(f"@ index {i}", i, item_type)
+            exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]  # 3.11+; cattrs reads it
             problems.append(exc)
     if problems:
         raise cattrs.errors.IterableValidationError("While structuring a list", problems, list)
@@ -111,7 +113,7 @@ def _is_dict(t: Any) -> bool:
 def _mapping_of(conv: cattrs.Converter, cls: type) -> Any:
     inner = conv.gen_structure_mapping(cls)
 
-    def structure(value: Any, _: type) -> dict:
+    def structure(value: Any, _: type) -> Any:
         if not isinstance(value, dict):
             raise _Leaf(f"expected a mapping, got {_describe(value)}")
         return inner(value, cls)
@@ -169,7 +171,7 @@ def _structure_optimizer_factory(
     registry = registries.optimizer if registries else None
     if registry is not None and name not in registry:
         raise _Wrapped("name", registry.unknown_message(name))
-    canonical = registry.canonical(name) if registry else name
+    canonical = registry.get(name).name if registry else name
     return OptimizerFactory(canonical, _plugin_args(conv, registry, canonical, raw, "name"))
 
 
@@ -186,7 +188,7 @@ def _structure_dataset(conv: cattrs.Converter, registries: Registries | None, va
 
 
 def _is_dataset_list(t: Any) -> bool:
-    return t == list[DatasetSpec]
+    return bool(t == list[DatasetSpec])
 
 
 def _structure_dataset_list(conv: cattrs.Converter, value: Any, _: type) -> list[DatasetSpec]:
@@ -212,7 +214,7 @@ def _flat(conv: cattrs.Converter, obj: Any) -> dict:
 
 
 def _unstructure_model(conv: cattrs.Converter, base: Any, m: ModelArgs) -> dict:
-    d = base(m)
+    d: dict = base(m)
     d.pop("model_type")
     d["model_config"] = {"model_type": m.model_type, **_flat(conv, m.model_config)}
     return d
@@ -269,11 +271,14 @@ def _structure_at(conv: cattrs.Converter, value: Any, cls: type, key: str) -> An
         raise _Wrapped(key, str(exc)) from None
 
 
-def _structure_fields(conv: cattrs.Converter, raw: dict, cls: type, override: dict[str, type | None]) -> Any:
+T = TypeVar("T", bound=attrs.AttrsInstance)
+
+
+def _structure_fields(conv: cattrs.Converter, raw: dict, cls: type[T], override: dict[str, type | None]) -> T:
     """Structure an attrs class field by field, so that `override` can give a field its plugin class."""
     fields = {f.name: f for f in attrs.fields(cls)}
     extra = set(raw) - set(fields)
-    problems: list[BaseException] = []
+    problems: list[Exception] = []
     kwargs: dict[str, Any] = {}
     if extra:
         problems.append(ForbiddenExtraKeysError("", cls, extra))
@@ -284,7 +289,8 @@ def _structure_fields(conv: cattrs.Converter, raw: dict, cls: type, override: di
         try:
             kwargs[name] = value if target is None else conv.structure(value, target)
         except Exception as exc:
-            exc.__notes__ = [*getattr(exc, "__notes__", []), AttributeValidationNote(f"@ {name}", name, target)]
+            note = AttributeValidationNote(f"@ {name}", name, target)
+            exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]  # 3.11+; cattrs reads it
             problems.append(exc)
     if problems:
         raise cattrs.errors.ClassValidationError(f"While structuring {cls.__name__}", problems, cls)
@@ -359,7 +365,8 @@ def structure_config(raw: Any, registries: Registries | None) -> Config:
 
 
 def unstructure_config(config: Config) -> dict:
-    return make_converter(None).unstructure(config)
+    data: dict = make_converter(None).unstructure(config)
+    return data
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -40,7 +40,7 @@ class SampleDataset(Protocol):
 class DatasetContext:
     """What a dataset format gets besides its own args."""
 
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None when the config names none (`tokenizer_name_or_path: null`)
     sequence_length: int
     vocab_size: int  # the model's vocabulary; token ids must be below it
     seed: int

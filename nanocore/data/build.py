@@ -25,7 +25,8 @@ def build_tokenizer(args: TokenizerArgs, registries: Registries) -> Tokenizer | 
     kind = args.tokenizer_type or (name if name in registries.tokenizer else "hf")
     if kind not in registries.tokenizer:
         raise ConfigError(f"tokenizer.tokenizer_name_or_path: {registries.tokenizer.unknown_message(kind)}")
-    return registries.tokenizer.get(kind).factory(name)
+    tokenizer: Tokenizer = registries.tokenizer.get(kind).factory(name)
+    return tokenizer
 
 
 def document_separator(tokenizer: Tokenizer | None) -> int:

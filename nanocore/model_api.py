@@ -4,7 +4,7 @@ A model plugin registers `build(model_args: ModelArgs, *, vocab_multiple: int = 
 with its attrs config class; the vocabulary is padded up to a multiple of `vocab_multiple`.
 `build` is called under `torch.device("meta")`; the engine materialises the parameters it keeps
 and fills each through `init_parameter` as a *full* tensor before slicing it, so any topology
-starts from the same weights (see `nanocore.init`).
+starts from the same weights (docs/parallelism.md, "Order of application", step 4: Materialise).
 
 The module must provide:
 

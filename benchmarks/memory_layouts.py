@@ -1,6 +1,6 @@
 """Memory and speed per rank across ZeRO stages and recompute granularities, side by side.
 
-Each layout runs nanocore's trainer (the built-in `3d` engine, gloo processes, 1 thread per rank,
+Each layout runs nanocore's trainer (the built-in `nd` engine, gloo processes, 1 thread per rank,
 float32, random tokens) on the same model and global batch:
 
 - ZeRO stages 0, 1, 2 and 3 at dp 4: where parameters, gradients and optimizer state live;

@@ -5,7 +5,7 @@ Three sides, same shape (hidden, layers, heads, vocabulary, sequence, batch), sa
 setting, weight decay on matrices only), same clipping (1.0), float32:
 
 - **moe**: nanocore's trainer on `model_type: mixtral` (E experts of width I, top-k, auxiliary
-  loss on), the built-in `3d` engine at one process, random tokens (`dataset: null`).
+  loss on), the built-in `nd` engine at one process, random tokens (`dataset: null`).
 - **dense**: nanocore's trainer on `model_type: llama` with `intermediate_size = k x I`: every token
   computes with the same number of weights (attention, k x I of MLP width), so the FLOPs per token
   match and the ratio moe / dense is what routing and E small matmuls cost (or save) over one big one.

@@ -1,7 +1,7 @@
 """Training throughput and peak memory: nanocore's trainer against the loop a user would write instead.
 
 Side A is the real nanocore path: a config dict structured through the plugin registries, the
-`Trainer` with the built-in `3d` engine (dp = tp = pp = 1), random tokens (`dataset: null`), no
+`Trainer` with the built-in `nd` engine (dp = tp = pp = 1), random tokens (`dataset: null`), no
 loggers, no checkpoints. Side B (`--baseline`) is the loop one would write by hand, over
 `transformers`' `LlamaForCausalLM` (the default: SDPA attention, the same shape, nanocore's starting
 weights through the Hugging Face conversion) or over nanocore's own LLaMA module (`plain`, which

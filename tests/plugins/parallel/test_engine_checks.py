@@ -157,7 +157,7 @@ def test_expert_parallel_must_divide_dp_times_cp(registries, tmp_path):
 
 
 def test_context_parallel_and_document_masking_need_a_model_that_declares_them(registries, tmp_path):
-    from tests.plugins.third_party.packages import gpt2_config, require
+    from tests.helpers.third_party import gpt2_config, require
 
     require("nanocore-gpt2")
     config = gpt2_config(tmp_path, {}, parallelism={"context_parallel_size": 2})
@@ -206,7 +206,7 @@ def test_recompute_granularity_choices_and_a_model_that_declares_selective(regis
     message = problems(registries, tmp_path, parallelism={"recompute_granularity": "partial"})
     assert "parallelism.recompute_granularity: expected full or selective, got 'partial'" in message
 
-    from tests.plugins.third_party.packages import gpt2_config, require
+    from tests.helpers.third_party import gpt2_config, require
 
     require("nanocore-gpt2")
     config = gpt2_config(tmp_path, {}, parallelism={"recompute_granularity": "selective"})

@@ -14,7 +14,7 @@ from nanocore.generation import generate
 from nanocore.model_api import CausalLM, KVCache
 from nanocore.plugins import load_plugins
 from tests.helpers.compare import rel_diff
-from tests.plugins.third_party.packages import gpt2_config, require
+from tests.helpers.third_party import gpt2_config, require
 
 SMALL = dict(n_embd=32, n_head=4, n_layer=2, vocab_size=61, n_positions=24)
 

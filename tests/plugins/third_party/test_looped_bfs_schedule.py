@@ -9,8 +9,8 @@ from nanocore.config.schema import Config, ModelArgs, ParallelismArgs, TokensArg
 from nanocore.pipeline_api import Action, ScheduleError
 from nanocore.pipeline_sim import simulate
 from nanocore.plugins import load_plugins
+from tests.helpers.third_party import require
 from tests.plugins.schedules.test_message_order import message_orders
-from tests.plugins.third_party.packages import require
 
 LAYOUTS = [(p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8) for v in (1, 2, 3)]
 
@@ -18,7 +18,7 @@ LAYOUTS = [(p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8) for v in 
 def schedule():
     """The schedule as the engine gets it: through the pp_engine registry, from the installed package."""
     require("nanocore-looped-bfs")
-    return load_plugins().registries.pp_engine.get("looped_bfs").factory(None)
+    return load_plugins().registries.pipeline_schedule.get("looped_bfs").factory(None)
 
 
 def test_breadth_first_order_forward_by_chunk_then_backward_in_reverse():
@@ -71,7 +71,7 @@ def _config(pp: int, m: int, v: int, engine: str = "looped_bfs") -> Config:
 
 def test_registry_check_accepts_layouts_interleaved_refuses():
     require("nanocore-looped-bfs")
-    registry = load_plugins().registries.pp_engine
+    registry = load_plugins().registries.pipeline_schedule
     check = registry.get("looped_bfs").extras["check"]
     assert check(_config(4, 3, 2), None) == []  # 3 microbatches: not a multiple of pp
     assert check(_config(2, 4, 1), None) == []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from nanocore.commands import cli
-from tests.plugins.third_party.packages import PACKAGES, require
+from tests.helpers.third_party import PACKAGES, require
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.parity import assert_matches
+from tests.helpers.third_party import gpt2_config, require
 from tests.helpers.training import run_training, tiny_config
-from tests.plugins.third_party.packages import gpt2_config, require
 
 pytestmark = pytest.mark.slow
 

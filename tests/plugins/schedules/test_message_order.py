@@ -6,29 +6,10 @@ from __future__ import annotations
 import pytest
 
 from nanocore.plugins import load_plugins
+from tests.helpers.schedules import message_orders
 
 LAYOUTS = [("afab", 2, 4, 1), ("afab", 4, 6, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1),
            ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 3)]
-
-
-def message_orders(schedule, pp, m, v):
-    """(src, dst, direction) -> sequence of (stage, microbatch) as sent, and as received."""
-    sent, received = {}, {}
-    last = pp * v - 1
-    for rank in range(pp):
-        for a in schedule.actions(pp, rank, m, v):
-            stage = a.chunk * pp + rank
-            if a.kind == "F":
-                if stage > 0:
-                    received.setdefault(((stage - 1) % pp, rank, "F"), []).append((stage, a.microbatch))
-                if stage < last:
-                    sent.setdefault((rank, (stage + 1) % pp, "F"), []).append((stage + 1, a.microbatch))
-            else:
-                if stage < last:
-                    received.setdefault(((stage + 1) % pp, rank, "B"), []).append((stage, a.microbatch))
-                if stage > 0:
-                    sent.setdefault((rank, (stage - 1) % pp, "B"), []).append((stage - 1, a.microbatch))
-    return sent, received
 
 
 @pytest.mark.parametrize("name,pp,m,v", LAYOUTS)

@@ -9,8 +9,8 @@ from nanocore.config.schema import Config, ModelArgs, ParallelismArgs, TokensArg
 from nanocore.pipeline_api import Action, ScheduleError
 from nanocore.pipeline_sim import simulate
 from nanocore.plugins import load_plugins
+from tests.helpers.schedules import message_orders
 from tests.helpers.third_party import require
-from tests.plugins.schedules.test_message_order import message_orders
 
 LAYOUTS = [(p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 6, 8) for v in (1, 2, 3)]
 

@@ -162,3 +162,16 @@ def run_training(raw: dict, world_size: int = 1, extra_plugins: tuple = ()) -> d
         "weights": assemble(results),
         "ranks": results,
     }
+
+
+def train_in_process(raw: dict) -> tuple[list[float], list[torch.Tensor]]:
+    """Losses of a one-process run, and its first batch's micro-batches."""
+    plugins = load_plugins()
+    config = structure_config(raw, plugins.registries)
+    check_config(config, plugins.registries, 1)
+    trainer = Trainer(LoadedConfig(config, plugins, None))
+    try:
+        first_batch = trainer.data.micro_batches(trainer.data.mixture(0), 0)
+        return trainer.train(), first_batch
+    finally:
+        trainer.close()

@@ -16,8 +16,7 @@ from nanocore.checkpoint.model import load_checkpoint_model
 from nanocore.commands.cli import run as cli
 from tests.helpers.compare import rel_diff
 from tests.helpers.hf_models import hf_model
-from tests.helpers.training import run_training, tiny_config
-from tests.parallel.test_init_from_hf import train_in_process
+from tests.helpers.training import run_training, tiny_config, train_in_process
 
 STEPS = 2
 TINY_HF_MIXTRAL = {

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 from _ranks import CLEAR_REFS, init_rank, kb, llama_config, run_ranks, trainer_for
 
 LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (parallelism + optimizer overrides, ranks)
@@ -95,7 +96,7 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
                 seconds.append(elapsed)
         estimate = trainer.engine.memory_estimate()
         ctx = trainer.engine.ctx
-        mine = next(r for r in planned["ranks"] if (r["pp_rank"], r["tp_rank"]) == (ctx.pp_rank, ctx.tp_rank))
+        mine = attrs.asdict(next(r for r in planned.ranks if (r.pp_rank, r.tp_rank) == (ctx.pp_rank, ctx.tp_rank)))
     finally:
         trainer.close()
     results.put(
@@ -105,9 +106,9 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
                 "peak_mib": (peak - before) / 1024,
                 "activation_mib": statistics.median(activation_kb) / 1024,
                 "step_seconds": statistics.median(seconds),
-                "params_mib": estimate["params_bytes"] / 2**20,
-                "grads_mib": estimate["grads_bytes"] / 2**20,
-                "optimizer_mib": (estimate["optimizer_bytes"] or 0) / 2**20,
+                "params_mib": estimate.params_bytes / 2**20,
+                "grads_mib": estimate.grads_bytes / 2**20,
+                "optimizer_mib": (estimate.optimizer_bytes or 0) / 2**20,
                 "planned_mib": mine["total_bytes"] / 2**20,
                 "losses": losses,
             },

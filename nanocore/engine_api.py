@@ -1,19 +1,26 @@
 """What a parallel-engine plugin provides to the trainer.
 
 The trainer is generic: it owns the config, data, LR schedule, loop, logging and checkpoint folders.
-An engine (registry kind `parallel_engine`, `parallelism.engine`, built-in: `3d`) owns processes,
+An engine (registry kind `parallel_engine`, `parallelism.engine`, built-in: `nd`) owns processes,
 devices, the model's placement across them, forward/backward, gradient reduction and the optimizer.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import attrs
 import torch
+import torch.distributed
 
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
 from nanocore.registry import Entry
+from nanocore.sharding import Placement
+
+if TYPE_CHECKING:
+    from nanocore.config.schema import ModelArgs, OptimizerArgs
+
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -43,10 +50,10 @@ class Engine(Protocol):
     def set_document_separator(self, token_id: int) -> None:
         """Under `tokens.document_masking`, called before `setup_model` with the end-of-document token."""
 
-    def setup_model(self, entry: Entry, model_args: Any, seed: int) -> None:
+    def setup_model(self, entry: Entry, model_args: ModelArgs, seed: int) -> None:
         """Build the model on meta, parallelise it and materialise this rank's part of it."""
 
-    def setup_optimizer(self, optimizer: Entry, zero: Entry, optimizer_args: Any) -> None:
+    def setup_optimizer(self, optimizer: Entry, zero: Entry, optimizer_args: OptimizerArgs) -> None:
         """Create the optimizer over this rank's parameters (ZeRO stage `zero`)."""
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepOutput:
@@ -67,14 +74,12 @@ class Engine(Protocol):
 
     def flops_per_token(self, sequence_length: int) -> float: ...
 
-    def memory_estimate(self) -> dict[str, int | None]:
-        """This rank's `parameters` (count), `written_parameters` (the count this rank saves for the
-        whole model; they add up to the model's size over all ranks), and bytes: `params_bytes`,
-        `grads_bytes`, `optimizer_bytes` (None when the optimizer plugin gives no estimate)."""
+    def memory_estimate(self) -> MemoryEstimate:
+        """What this rank holds once the model and optimizer are set up (the start-of-run summary)."""
 
     def barrier(self) -> None: ...
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: T) -> list[T]:
         """Every rank's `obj` in rank order, on every rank (sizes for the summary, verification verdicts)."""
 
     def all_ranks_ok(self, ok: bool) -> bool:
@@ -84,27 +89,105 @@ class Engine(Protocol):
         """Destroy the process groups and join their threads (drop every reference to them first)."""
 
 
+@attrs.frozen
+class MemoryEstimate:
+    """This rank's share of the model once set up, for the start-of-run summary."""
+
+    parameters: int  # elements of parameters this rank holds (ZeRO-3: its rows)
+    written_parameters: int  # elements this rank saves; over all ranks they add up to the model's size
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int | None  # None when the optimizer plugin gives no estimate (`states_per_element`)
+
+
+@attrs.frozen
+class RankPlan:
+    """The memory plan of one distinct rank (every data- and context-parallel replica of it holds the
+    same), in bytes. None: the plugin that would say cannot (see `MemoryPlan.unknown`)."""
+
+    rank: int  # the global rank of its first replica
+    pp_rank: int
+    tp_rank: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int | None  # None when the optimizer plugin gives no `states_per_element`
+    activations_bytes: int | None  # None when the model gives no `activation_elements_per_token`
+    activations_bytes_per_microbatch_sample: int | None
+    comm_bytes: int  # buffers of the data-parallel exchange (ZeRO-1/2's updated rows, ZeRO-2's staging)
+    optimizer_step_bytes: int  # the optimizer's temporaries while it steps
+    backward_phase_bytes: int  # activations and what backward stages beside them
+    step_phase_bytes: int  # the exchange and the optimizer's temporaries, once activations are freed
+    total_bytes: int  # the peak: params + grads + optimizer + the larger of the two phases
+
+
+@attrs.frozen
+class PlannedLayout:
+    dp: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    zero_stage: int
+
+
+@attrs.frozen
+class MemoryPlan:
+    """What an engine's planner (registry extra `plan(config, registries, device) -> MemoryPlan`)
+    tells `nanocore plan` and the start-of-run summary. `attrs.asdict` of it is `nanocore plan --json`."""
+
+    world_size: int
+    layout: PlannedLayout
+    dtype: str  # the parameters' dtype (model.dtype resolved for the planned device)
+    ranks: list[RankPlan]
+    flops_per_step: float
+    flops_per_step_with_recompute: float
+    peak_in_flight_microbatches: list[float]  # per pipeline stage, under the configured schedule
+    unknown: list[str]  # what could not be counted, in words
+    chunks: int  # pipeline chunks (pp x virtual stages)
+
+    def largest(self) -> RankPlan:
+        """The rank with the highest peak."""
+        return max(self.ranks, key=lambda r: r.total_bytes)
+
+
+@attrs.frozen
+class ReplicaGroup:
+    """The data-parallel ranks that hold the same piece of a parameter: a process group (None when
+    not distributed), this rank's index in it and its size."""
+
+    group: torch.distributed.ProcessGroup | None
+    rank: int
+    size: int
+
+
 @attrs.define(eq=False)
 class TrainableParam:
     """One local parameter as the optimizer (and a ZeRO stage plugin) sees it."""
 
     name: str  # canonical name: the same on every rank and in checkpoints
     param: torch.nn.Parameter  # the model's parameter (possibly bfloat16)
-    grad: torch.Tensor  # its reduced gradient (fp32 when accumulate_grad_in_fp32)
-    placement: Any  # nanocore.sharding.Placement of `param`
+    grad: torch.Tensor | None  # its reduced gradient (fp32 when accumulate_grad_in_fp32); None if frozen
+    placement: Placement  # where `param` (when whole) sits in the full tensor
     writer: bool  # True on exactly one rank per replica group of this piece (before ZeRO sharding)
     weight_decay: bool  # False for norms and biases
-    # the data-parallel group over which this piece is replicated (`group`, `rank`, `size`); None: the
-    # engine's `dp` handed to the ZeRO factory. Expert weights under expert parallelism are replicated
-    # over the expert-data-parallel group only (ranks holding the same experts).
-    dp: Any = None
+    # the data-parallel group over which this piece is replicated; None: the engine's `dp` handed to
+    # the ZeRO factory. Expert weights under expert parallelism are replicated over the
+    # expert-data-parallel group only (ranks holding the same experts).
+    dp: ReplicaGroup | None = None
     # (start, length): the rows of the parameter `grad` holds when the engine reduce-scattered the
     # gradients over `dp` (a ZeRO stage registered with `shards_gradients=True`; the rows are
     # `nanocore.sharding.row_share(param.shape, dp.size, dp.rank)`). None: `grad` is the whole parameter's.
     grad_rows: tuple[int, int] | None = None
     # ZeRO-3 (`shards_parameters=True`): the tensor holding this rank's rows (`grad_rows`) of the
     # parameter, which is whole only while a block runs; the stage updates these rows in place.
-    param_rows: Any = None
+    param_rows: torch.Tensor | None = None
+    # the local parameter's shape when whole (what `placement` places): under ZeRO-3 `param` is
+    # empty between uses, so this, not `param.shape`, is the shape to cut rows from.
+    shape: tuple[int, ...] = attrs.field()
+
+    @shape.default
+    def _whole_shape(self) -> tuple[int, ...]:
+        return tuple(self.param.shape)
 
 
 class ZeroOptimizer(Protocol):

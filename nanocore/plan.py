@@ -2,20 +2,32 @@
 `nanocore plan`, also read by the start-of-run summary).
 
 The engine plugin does the counting (registry entry extra `plan(config, registries, device) ->
-dict`, see plugins/parallel/planner.py for the built-in engine's formulas).
+MemoryPlan`, the record in nanocore.engine_api; see plugins/parallel/planner.py for the built-in
+engine's formulas).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from nanocore.engine_api import MemoryPlan
+from nanocore.errors import PluginError
 
 if TYPE_CHECKING:
     from nanocore.config.schema import Config
     from nanocore.registry import Registries
 
 
-def plan_for(config: Config, registries: Registries, device: str) -> dict[str, Any] | None:
+def plan_for(config: Config, registries: Registries, device: str) -> MemoryPlan | None:
     """The engine's memory plan, or None when the engine plugin offers no planner."""
     entry = registries.parallel_engine.get(config.parallelism.engine)
     planner = entry.extras.get("plan")
-    return None if planner is None else planner(config, registries, device=device)
+    if planner is None:
+        return None
+    result = planner(config, registries, device=device)
+    if not isinstance(result, MemoryPlan):
+        raise PluginError(
+            f"plugin {entry.plugin!r}: engine {entry.name!r}'s plan returned {type(result).__name__}, "
+            "not a nanocore.engine_api.MemoryPlan"
+        )
+    return result

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -137,7 +137,9 @@ class Extra:
     doc: str
 
 
-_CHECK = Extra(Callable, "fn(config, args) -> list[str]: problems with this entry's config, run before launch")
+# `Callable` is a typing special form; isinstance accepts it, the annotation of `Extra.type` does not
+_FUNCTION = cast(type, Callable)
+_CHECK = Extra(_FUNCTION, "fn(config, args) -> list[str]: problems with this entry's config, run before launch")
 
 
 @attrs.frozen
@@ -159,8 +161,8 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
         {
             "check": _CHECK,
             "hf_architectures": Extra((tuple, list), "transformers architecture names this model reads and writes"),
-            "from_hf": Extra(Callable, "fn(hf_config: dict, state) -> (model_config, state): weights from transformers"),
-            "to_hf": Extra(Callable, "fn(model_config, state) -> (hf_config: dict, state): weights to transformers"),
+            "from_hf": Extra(_FUNCTION, "fn(hf_config: dict, state) -> (model_config, state): weights from transformers"),
+            "to_hf": Extra(_FUNCTION, "fn(model_config, state) -> (hf_config: dict, state): weights to transformers"),
             "from_hf_selects_only": Extra(bool, "from_hf only renames and drops tensors, so they can be read lazily"),
         },
     ),
@@ -169,8 +171,8 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
         "factory(config: Config, registries: Registries) -> Engine (nanocore.engine_api)",
         {
             "check": _CHECK,
-            "check_model": Extra(Callable, "fn(config, model_entry) -> list[str]: checks that need the model"),
-            "plan": Extra(Callable, "fn(config, registries, device) -> MemoryPlan: bytes per rank (nanocore plan)"),
+            "check_model": Extra(_FUNCTION, "fn(config, model_entry) -> list[str]: checks that need the model"),
+            "plan": Extra(_FUNCTION, "fn(config, registries, device) -> MemoryPlan (nanocore.engine_api): bytes per rank"),
         },
     ),
     "pipeline_schedule": RegistryKind(
@@ -187,9 +189,8 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
         "factory(param_groups, args, *, lr, weight_decay, device) -> torch.optim.Optimizer",
         {
             "check": _CHECK,
-            "states_per_element": Extra(Callable, "fn(args) -> int: optimizer state tensors per parameter element"),
-            "step_temporaries_per_element": Extra(
-                Callable, "fn(args) -> int: temporary copies per element while the optimizer steps (planner)"
+            "states_per_element": Extra(_FUNCTION, "fn(args) -> int: optimizer state tensors per parameter element"),
+            "step_temporaries_per_element": Extra(_FUNCTION, "fn(args) -> int: temporary copies per element while the optimizer steps (planner)"
             ),
         },
     ),
@@ -220,7 +221,7 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
     "command": RegistryKind(
         "register_commands",
         "factory(args: argparse.Namespace) -> int (the exit code)",
-        {"add_arguments": Extra(Callable, "fn(parser): adds the command's argparse arguments")},
+        {"add_arguments": Extra(_FUNCTION, "fn(parser): adds the command's argparse arguments")},
     ),
 }
 

@@ -13,7 +13,7 @@ trainer fills a `RunFacts` record for it: the summary reads that record, never t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -23,7 +23,7 @@ from nanocore.plan import plan_for
 if TYPE_CHECKING:
     from nanocore.config.schema import Config
     from nanocore.data.schedule import DataSchedule
-    from nanocore.engine_api import Engine
+    from nanocore.engine_api import Engine, MemoryEstimate
     from nanocore.plugins import PluginInfo
     from nanocore.registry import Registries
     from nanocore.run_folders import RunFolders
@@ -124,21 +124,19 @@ def _stage_lines(run: RunFacts) -> list[str]:
     return lines
 
 
-def _memory_line(estimates: list[dict[str, Any]]) -> str:
-    def total(e: dict[str, Any]) -> int:
-        return e["params_bytes"] + e["grads_bytes"] + (e["optimizer_bytes"] or 0)
+def _memory_line(estimates: list[MemoryEstimate]) -> str:
+    def total(e: MemoryEstimate) -> int:
+        return e.params_bytes + e.grads_bytes + (e.optimizer_bytes or 0)
 
     largest = max(range(len(estimates)), key=lambda r: total(estimates[r]))
     e = estimates[largest]
     optimizer = (
-        _bytes(e["optimizer_bytes"])
-        if e["optimizer_bytes"] is not None
-        else "unknown (optimizer plugin gives no estimate)"
+        _bytes(e.optimizer_bytes) if e.optimizer_bytes is not None else "unknown (optimizer plugin gives no estimate)"
     )
     where = f"rank {largest}, the largest" if len(estimates) > 1 else "one process"
     return (
-        f"memory per rank (estimate, {where}): parameters {_bytes(e['params_bytes'])}, gradients "
-        f"{_bytes(e['grads_bytes'])}, optimizer state {optimizer}; {_bytes(total(e))} before activations"
+        f"memory per rank (estimate, {where}): parameters {_bytes(e.params_bytes)}, gradients "
+        f"{_bytes(e.grads_bytes)}, optimizer state {optimizer}; {_bytes(total(e))} before activations"
     )
 
 
@@ -150,13 +148,13 @@ def _plan_line(run: RunFacts) -> str:
         return f"memory plan: unavailable ({type(exc).__name__}: {exc})"
     if plan is None:
         return "memory plan: the engine offers no planner"
-    r = max(plan["ranks"], key=lambda r: r["total_bytes"])
-    act = "unknown" if r["activations_bytes"] is None else _bytes(r["activations_bytes"])
+    r = plan.largest()
+    act = "unknown" if r.activations_bytes is None else _bytes(r.activations_bytes)
     return (
-        f"memory plan (nanocore plan, rank {r['rank']}): {_bytes(r['total_bytes'])} at peak = parameters "
-        f"{_bytes(r['params_bytes'])} + gradients {_bytes(r['grads_bytes'])} + optimizer "
-        f"{_bytes(r['optimizer_bytes'] or 0)} + the larger of backward (activations {act}) and the optimizer step "
-        f"({_bytes(r['step_phase_bytes'])}); {plan['flops_per_step']:.3g} FLOPs per step"
+        f"memory plan (nanocore plan, rank {r.rank}): {_bytes(r.total_bytes)} at peak = parameters "
+        f"{_bytes(r.params_bytes)} + gradients {_bytes(r.grads_bytes)} + optimizer "
+        f"{_bytes(r.optimizer_bytes or 0)} + the larger of backward (activations {act}) and the optimizer step "
+        f"({_bytes(r.step_phase_bytes)}); {plan.flops_per_step:.3g} FLOPs per step"
     )
 
 
@@ -175,8 +173,8 @@ def run_summary(run: RunFacts) -> str:
         start = "fresh start (checkpoints.overwrite: replacing an earlier run's checkpoints and logs)"
     else:
         start = "fresh start"
-    per_rank = [e["parameters"] for e in estimates]
-    total_params = sum(e["written_parameters"] for e in estimates)
+    per_rank = [e.parameters for e in estimates]
+    total_params = sum(e.written_parameters for e in estimates)
     spread = (
         _count(per_rank[0]) if min(per_rank) == max(per_rank) else f"{_count(min(per_rank))}-{_count(max(per_rank))}"
     )

@@ -11,8 +11,10 @@ import argparse
 import json
 import math
 import sys
-from typing import Any
 
+import attrs
+
+from nanocore.engine_api import MemoryPlan
 from nanocore.errors import ConfigError
 from nanocore.plan import plan_for
 from nanocore.plugins import add_plugin_argument
@@ -48,23 +50,33 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
-def fit(result: dict[str, Any], device_bytes: int, micro_batch_size: int) -> dict[str, Any]:
+@attrs.frozen
+class Fit:
+    """`nanocore plan --device-memory`'s verdict (`--json`: its "fit")."""
+
+    device_memory_bytes: int
+    fits: bool  # every rank's peak fits
+    largest_micro_batch_size: int | None  # None: activations unknown
+
+
+def fit(plan: MemoryPlan, device_bytes: int, micro_batch_size: int) -> Fit:
     """Whether every rank fits in `device_bytes`, and the largest micro-batch size that does
     (activations grow linearly with it; nothing else does)."""
-    fits = max(r["total_bytes"] for r in result["ranks"]) <= device_bytes
+    fits = plan.largest().total_bytes <= device_bytes
     largest = None
-    if all(r["activations_bytes"] is not None for r in result["ranks"]):
+    if all(r.activations_bytes is not None for r in plan.ranks):
         bounds = []
-        for r in result["ranks"]:
-            static = r["params_bytes"] + r["grads_bytes"] + (r["optimizer_bytes"] or 0)
-            staging = r["backward_phase_bytes"] - r["activations_bytes"]
-            per_sample = r["activations_bytes"] / micro_batch_size
-            if static + r["step_phase_bytes"] > device_bytes:
+        for r in plan.ranks:
+            assert r.activations_bytes is not None
+            static = r.params_bytes + r.grads_bytes + (r.optimizer_bytes or 0)
+            staging = r.backward_phase_bytes - r.activations_bytes
+            per_sample = r.activations_bytes / micro_batch_size
+            if static + r.step_phase_bytes > device_bytes:
                 bounds.append(0)  # the optimizer step alone does not fit
             elif per_sample > 0:
                 bounds.append(max(0, math.floor((device_bytes - static - staging) / per_sample)))
         largest = min(bounds) if bounds else None
-    return {"device_memory_bytes": device_bytes, "fits": fits, "largest_micro_batch_size": largest}
+    return Fit(device_bytes, fits, largest)
 
 
 def gib(n: int | None) -> str:
@@ -76,36 +88,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     loaded = load_config(args.config, args.plugin, world_size=args.world_size, overrides=args.overrides)
     config = loaded.config
-    result = plan_for(config, loaded.plugins.registries, args.device)
-    if result is None:
+    plan = plan_for(config, loaded.plugins.registries, args.device)
+    if plan is None:
         raise ConfigError(f"parallelism.engine: engine {config.parallelism.engine!r} offers no memory planner")
-    if args.device_memory is not None:
-        result["fit"] = fit(result, parse_bytes(args.device_memory), config.tokens.micro_batch_size)
+    f = fit(plan, parse_bytes(args.device_memory), config.tokens.micro_batch_size) if args.device_memory else None
     if args.json:
+        result = attrs.asdict(plan) | ({"fit": attrs.asdict(f)} if f is not None else {})
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    lay = result["layout"]
+    lay = plan.layout
     print(
-        f"{result['world_size']} process(es): dp {lay['dp']} x cp {lay['cp']} x tp {lay['tp']} x pp {lay['pp']}"
-        f"{' (ep ' + str(lay['ep']) + ')' if lay['ep'] > 1 else ''}, ZeRO {lay['zero_stage']}, {result['dtype']}; "
+        f"{plan.world_size} process(es): dp {lay.dp} x cp {lay.cp} x tp {lay.tp} x pp {lay.pp}"
+        f"{' (ep ' + str(lay.ep) + ')' if lay.ep > 1 else ''}, ZeRO {lay.zero_stage}, {plan.dtype}; "
         "GiB per rank (every data-parallel replica of a rank holds the same)"
     )
     head = ("rank", "pp", "tp", "params", "grads", "optimizer", "activations", "comm", "total")
     print(" ".join(f"{h:>11}" for h in head))
-    for r in result["ranks"]:
-        cells = (r["rank"], r["pp_rank"], r["tp_rank"])
-        sizes = (r["params_bytes"], r["grads_bytes"], r["optimizer_bytes"], r["activations_bytes"], r["comm_bytes"])
-        print(" ".join(f"{c:>11}" for c in cells) + " " + " ".join(f"{gib(b):>11}" for b in (*sizes, r["total_bytes"])))
-    print(f"FLOPs per step: {result['flops_per_step']:.3e} (with recompute {result['flops_per_step_with_recompute']:.3e})")
-    for what in result["unknown"]:
+    for r in plan.ranks:
+        cells = (r.rank, r.pp_rank, r.tp_rank)
+        sizes = (r.params_bytes, r.grads_bytes, r.optimizer_bytes, r.activations_bytes, r.comm_bytes, r.total_bytes)
+        print(" ".join(f"{c:>11}" for c in cells) + " " + " ".join(f"{gib(b):>11}" for b in sizes))
+    print(f"FLOPs per step: {plan.flops_per_step:.3e} (with recompute {plan.flops_per_step_with_recompute:.3e})")
+    for what in plan.unknown:
         print(f"not counted: {what}")
-    if "fit" in result:
-        f = result["fit"]
-        verdict = "fits" if f["fits"] else "does NOT fit"
-        largest = f["largest_micro_batch_size"]
+    if f is not None:
+        verdict = "fits" if f.fits else "does NOT fit"
+        largest = f.largest_micro_batch_size
         print(
-            f"device memory {gib(f['device_memory_bytes'])} GiB: {verdict}; largest micro_batch_size that fits: "
+            f"device memory {gib(f.device_memory_bytes)} GiB: {verdict}; largest micro_batch_size that fits: "
             f"{'unknown' if largest is None else largest}"
         )
     return 0

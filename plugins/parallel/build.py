@@ -232,3 +232,38 @@ def _initial_values(
         lo, hi = max(first, start), min(last, stop)
         out[lo - first : hi - first] = values[(slice(lo - start, hi - start), *index[1:])]
     return out
+
+
+def chunk_modules(local: LocalModel) -> list[list[list[nn.Module]]]:
+    """The modules of each block of each local chunk, in order."""
+    module = local.module
+    return [[[module.get_submodule(n) for n in block] for block in chunk] for chunk in local.chunks]
+
+
+def chunk_parameters(local: LocalModel) -> list[list[nn.Parameter]]:
+    """The trainable parameters of each local chunk, each in the first chunk that uses it (a
+    parameter with requires_grad=False, like a router's balancing bias, is saved, never trained)."""
+    params = {n: p for n, p in local.module.named_parameters() if p.requires_grad}
+    out: list[list[nn.Parameter]] = []
+    seen: set[int] = set()
+    for chunk in local.chunks:
+        names = {n for block in chunk for n in block}
+        ps = []
+        for name, p in params.items():
+            if id(p) not in seen and any(name == m or name.startswith(m + ".") for m in names):
+                ps.append(p)
+                seen.add(id(p))
+        out.append(ps)
+    return out
+
+
+def tied_across_stages(model: nn.Module, pp_size: int) -> list[nn.Parameter]:
+    """Local parameters that are one side of a tied pair split across the first and last stage."""
+    out: list[nn.Parameter] = []
+    if pp_size == 1:
+        return out
+    names = dict(model.named_parameters(remove_duplicate=False))
+    for first, second in getattr(model, "tied_parameters", []):
+        if (first in names) != (second in names):
+            out.append(names.get(first, names.get(second)))
+    return out

@@ -1,4 +1,10 @@
-"""Gradient buffers and data-parallel reduction overlapped with backward.
+"""Data parallelism: where each replica's gradients (and under ZeRO-3 parameters) live, and how they
+are reduced. One `DataParallel` strategy is chosen once from the ZeRO stage's registry entry
+(`data_parallel_for`): replicated gradients (this module), reduce-scattered gradients
+(`data_parallel_zero2`), parameters sharded at rest (`data_parallel_zero3`). The engine calls every
+strategy the same way.
+
+Replicated gradients (`GradBuffers`, ZeRO-0/1):
 
 Every local parameter gets a `main_grad` view into one flat buffer (fp32 when
 `accumulate_grad_in_fp32`). When the parameter dtype equals the buffer's, `param.grad` *is* that view
@@ -17,10 +23,155 @@ holds parameters of one kind only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
+from nanocore.engine_api import ReplicaGroup, TrainableParam
+from nanocore.sharding import Placement, get_placement
+
+# (group, size, this rank's index) of the data-parallel ranks holding the same piece of a parameter
+ReplicasOf = Callable[[nn.Parameter], tuple[object, int, int]]
+
+
+class BlockParameters(Protocol):
+    """What the pipeline executor calls around each block when parameters are not always whole."""
+
+    def gather(self, chunk: int, block: int) -> None: ...
+
+    def prefetch(self, chunk: int, block: int) -> None: ...
+
+    def release(self, chunk: int, block: int) -> None: ...
+
+
+class DataParallel(Protocol):
+    """Where parameters, gradients and their reduction live across data-parallel replicas."""
+
+    grad_buffer: torch.Tensor  # every gradient element this rank holds (clipping scales it in place)
+    block_parameters: BlockParameters | None  # handed to the pipeline executor; None: always whole
+
+    def rows_at_rest(self, p: nn.Parameter) -> tuple[int, int] | None:
+        """Rows of `p` to materialise on this rank; None: all of it."""
+
+    def build(self, chunk_params: list[list[nn.Parameter]], chunk_modules: list[list[list[nn.Module]]]) -> None:
+        """Create the gradient buffers (and ZeRO-3's gatherers) for the local model's chunks."""
+
+    def start_step(self) -> None: ...
+
+    def final_backward(self, chunk: int | None) -> None:
+        """The next backward is `chunk`'s last of this step (None: the step's backwards are over)."""
+
+    def after_backward(self, chunk: int) -> None: ...
+
+    def end_pass(self) -> None:
+        """After every executor run, train or eval, and also when it failed: parameters back at rest."""
+
+    def finish_step(self) -> None:
+        """After a training pass: every gradient reduction complete."""
+
+    def trainable(self, name: str, p: nn.Parameter, writer: bool, dp: ReplicaGroup | None) -> TrainableParam: ...
+
+    def square_sums(self, dense: torch.Tensor, experts: torch.Tensor) -> None:
+        """Sum the squared gradient norms over the replicas that hold other rows of the gradients."""
+
+    def saved_piece(self, t: TrainableParam) -> ShardedTensor | None:
+        """The piece of `t` this rank writes to a checkpoint, if any."""
+
+    def load(self, t: TrainableParam, reader: ShardReader) -> None: ...
+
+    def held(self, p: nn.Parameter) -> torch.Tensor:
+        """The tensor holding what this rank keeps of `p` between steps."""
+
+    def close(self) -> None: ...
+
+
+class ReplicatedGradients:
+    """ZeRO-0/1: whole gradients on every replica, all-reduced in buckets during the last backward."""
+
+    block_parameters: BlockParameters | None = None
+
+    def __init__(
+        self,
+        replicas: ReplicasOf,
+        dense: ReplicaGroup,
+        experts: ReplicaGroup,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        bucket_bytes: int,
+    ):
+        """`replicas(p)` -> (group, size, rank) of the ranks holding `p`: `dense` (data x context
+        parallel) for most, `experts` (expert-data-parallel) for expert weights. Every gradient is
+        divided by the dense size (the loss is the mean over the global batch)."""
+        self.replicas, self.dense, self.experts = replicas, dense, experts
+        self.dtype, self.device, self.bucket_bytes = dtype, device, bucket_bytes
+        self.dp_size = dense.size
+        self.grads: GradBuffers | None = None
+        self.grad_buffer = torch.zeros(0, dtype=dtype, device=device)
+
+    def rows_at_rest(self, p: nn.Parameter) -> tuple[int, int] | None:
+        return None
+
+    def build(self, chunk_params: list[list[nn.Parameter]], chunk_modules: list[list[list[nn.Module]]]) -> None:
+        self.grads = GradBuffers(
+            chunk_params, dtype=self.dtype, device=self.device, bucket_bytes=self.bucket_bytes,
+            dp_size=self.dp_size, replica_group=lambda p: self.replicas(p)[:2],
+        )
+        self.grad_buffer = self.grads.buffer
+
+    def start_step(self) -> None:
+        self._built().start_step()
+
+    def final_backward(self, chunk: int | None) -> None:
+        self._built().final_backward(chunk)
+
+    def after_backward(self, chunk: int) -> None:
+        self._built().after_backward(chunk)
+
+    def end_pass(self) -> None:
+        """Parameters are always whole."""
+
+    def finish_step(self) -> None:
+        self._built().finish()
+
+    def _built(self) -> GradBuffers:
+        if self.grads is None:
+            raise RuntimeError("data parallelism used before build()")
+        return self.grads
+
+    def trainable(self, name: str, p: nn.Parameter, writer: bool, dp: ReplicaGroup | None) -> TrainableParam:
+        return TrainableParam(name, p, p.main_grad, get_placement(p), writer, p.dim() >= 2, dp)
+
+    def square_sums(self, dense: torch.Tensor, experts: torch.Tensor) -> None:
+        """Every replica holds whole gradients: nothing to add."""
+
+    def saved_piece(self, t: TrainableParam) -> ShardedTensor | None:
+        """The first of the replicas writes the whole (local) parameter."""
+        if not t.writer or self.replicas(t.param)[2] != 0:
+            return None
+        return ShardedTensor(t.name, t.param.detach(), t.placement, trained=t.param.requires_grad)
+
+    def load(self, t: TrainableParam, reader: ShardReader) -> None:
+        t.param.copy_(reader.read(t.name, t.placement, tuple(t.param.shape), dtype=t.param.dtype))
+
+    def held(self, p: nn.Parameter) -> torch.Tensor:
+        return p
+
+    def close(self) -> None:
+        if self.grads is not None:
+            self.grads.close()
+        self.grads = None
+
+
+def rows_placement(placement: Placement, shape: tuple[int, ...], rows: tuple[int, int]) -> Placement:
+    """Placement of rows (start, length) of a local tensor of `shape` placed at `placement`."""
+    if not shape:  # a scalar: rank 0's
+        return placement
+    start, length = rows
+    return placement.narrow(0, start, length, shape)[0]
 
 
 class _Bucket:
@@ -33,7 +184,7 @@ class _Bucket:
 
 
 class GradBuffers:
-    sharded = False  # every rank holds whole reduced gradients (see sharded_grads for ZeRO-2)
+    """Flat gradient buffers cut into buckets, all-reduced as they fill (see the module docstring)."""
 
     def __init__(
         self,
@@ -42,13 +193,11 @@ class GradBuffers:
         dtype: torch.dtype,
         device: torch.device,
         bucket_bytes: int,
-        dp_group,
         dp_size: int,
-        replica_group: Callable[[nn.Parameter], tuple[object, int]] | None = None,
+        replica_group: Callable[[nn.Parameter], tuple[object, int]],
     ):
-        """`replica_group(p)` -> (group, size) of the ranks holding replicas of `p` (default: DP)."""
-        self.dp_group, self.dp_size = dp_group, dp_size
-        replica_group = replica_group or (lambda p: (dp_group, dp_size))
+        """`replica_group(p)` -> (group, size) of the ranks holding replicas of `p`."""
+        self.dp_size = dp_size
         # within a chunk: parameters grouped by replica group (one kind per bucket), reverse order
         by_chunk = []
         for chunk in params_by_chunk:
@@ -145,4 +294,3 @@ class GradBuffers:
         self._hooks.clear()
         self.buckets.clear()
         self.bucket_of.clear()
-        self.dp_group = None

@@ -20,9 +20,13 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from nanocore.sharding import reduce_scatter_single, row_share
+from nanocore.engine_api import ReplicaGroup, TrainableParam
+from nanocore.sharding import get_placement, reduce_scatter_single, row_share
+
+from .data_parallel import BlockParameters, ReplicasOf, ReplicatedGradients
 
 
 def full_shape(p: nn.Parameter) -> tuple[int, ...]:
@@ -62,9 +66,7 @@ class _ShardBucket:
 
 
 class ShardedGradBuffers:
-    """Same interface as `GradBuffers`; `p.main_grad` is this rank's rows of p's reduced gradient."""
-
-    sharded = True
+    """Like `GradBuffers`, but `p.main_grad` is this rank's rows (`rows[id(p)]`) of p's reduced gradient."""
 
     def __init__(
         self,
@@ -84,6 +86,7 @@ class ShardedGradBuffers:
         self.index_in_bucket: dict[int, int] = {}
         self._hooks: list = []
         self.in_flight: list[_ShardBucket] = []
+        self.rows: dict[int, tuple[int, int]] = {}  # id(p) -> (start, length) of p's rows in main_grad
         for chunk in params_by_chunk:
             kinds: dict[int, list[nn.Parameter]] = {}
             groups: dict[int, tuple[object, int, int]] = {}
@@ -117,13 +120,13 @@ class ShardedGradBuffers:
                 piece = bucket.view[at : at + rows * bucket.row_numel[i]]
                 shape = full_shape(p)
                 p.main_grad = piece.view(()) if not shape else piece.view(rows, *shape[1:])
-                p.main_grad_rows = (start, rows)
+                self.rows[id(p)] = (start, rows)
             for p in bucket.params:
-                if not hasattr(p, "main_grad_rows"):  # this rank owns none of p's rows
+                if id(p) not in self.rows:  # this rank owns none of p's rows
                     shape = full_shape(p)
                     start, _ = row_share(shape, bucket.size, bucket.rank)
                     p.main_grad = bucket.view[:0].view(0, *shape[1:]) if shape else bucket.view[:0]
-                    p.main_grad_rows = (start, 0)
+                    self.rows[id(p)] = (start, 0)
             offset += bucket.width
 
     def _hook(self, p: nn.Parameter) -> None:
@@ -199,3 +202,66 @@ class ShardedGradBuffers:
         self.buckets.clear()
         self.chunk_buckets.clear()
         self.bucket_of.clear()
+
+
+class ShardedGradients(ReplicatedGradients):
+    """ZeRO-2: each replica keeps its rows of every reduced gradient (`ShardedGradBuffers`); parameters
+    stay whole, and are saved and loaded as under replicated gradients."""
+
+    block_parameters: BlockParameters | None = None
+
+    def __init__(
+        self,
+        replicas: ReplicasOf,
+        dense: ReplicaGroup,
+        experts: ReplicaGroup,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        bucket_bytes: int,
+    ):
+        super().__init__(replicas, dense, experts, dtype=dtype, device=device, bucket_bytes=bucket_bytes)
+        self.sharded_grads: ShardedGradBuffers | None = None
+
+    def build(self, chunk_params: list[list[nn.Parameter]], chunk_modules: list[list[list[nn.Module]]]) -> None:
+        self.sharded_grads = ShardedGradBuffers(
+            chunk_params, dtype=self.dtype, device=self.device, bucket_bytes=self.bucket_bytes,
+            dp_size=self.dp_size, replica_group=self.replicas,
+        )
+        self.grad_buffer = self.sharded_grads.buffer
+
+    def _sharded(self) -> ShardedGradBuffers:
+        if self.sharded_grads is None:
+            raise RuntimeError("data parallelism used before build()")
+        return self.sharded_grads
+
+    def start_step(self) -> None:
+        self._sharded().start_step()
+
+    def final_backward(self, chunk: int | None) -> None:
+        self._sharded().final_backward(chunk)
+
+    def after_backward(self, chunk: int) -> None:
+        self._sharded().after_backward(chunk)
+
+    def finish_step(self) -> None:
+        self._sharded().finish()
+
+    def trainable(self, name: str, p: nn.Parameter, writer: bool, dp: ReplicaGroup | None) -> TrainableParam:
+        shape = full_shape(p)
+        return TrainableParam(
+            name, p, p.main_grad, get_placement(p), writer, len(shape) >= 2, dp,
+            grad_rows=self._sharded().rows[id(p)], shape=shape,
+        )
+
+    def square_sums(self, dense: torch.Tensor, experts: torch.Tensor) -> None:
+        """Each replica holds other rows: sum over the replicas of each kind."""
+        for total, replicas in ((dense, self.dense), (experts, self.experts)):
+            if replicas.size > 1:
+                dist.all_reduce(total, group=replicas.group)
+
+    def close(self) -> None:
+        if self.sharded_grads is not None:
+            self.sharded_grads.close()
+        self.sharded_grads = None
+

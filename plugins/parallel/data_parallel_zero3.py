@@ -20,7 +20,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from nanocore.sharding import all_gather_single, row_share
+from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
+from nanocore.engine_api import ReplicaGroup, TrainableParam
+from nanocore.sharding import all_gather_single, get_placement, row_share
+
+from .data_parallel import rows_placement
+from .data_parallel_zero2 import ShardedGradients
 
 
 class _BlockGather:
@@ -179,3 +184,65 @@ class ShardedParams:
             handle.remove()
         self._hooks.clear()
         self.blocks.clear()
+
+
+class ShardedParameters(ShardedGradients):
+    """ZeRO-3: ZeRO-2's gradients, and each trainable parameter kept as this rank's rows between uses
+    (`ShardedParams`, which the pipeline executor calls around every block); every replica saves and
+    loads its own rows."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.params: ShardedParams | None = None
+
+    def rows_at_rest(self, p: nn.Parameter) -> tuple[int, int] | None:
+        if not p.requires_grad:  # frozen (a router's balancing bias): whole on every rank
+            return None
+        _, size, rank = self.replicas(p)
+        return row_share(tuple(p.shape), size, rank)
+
+    def build(self, chunk_params: list[list[nn.Parameter]], chunk_modules: list[list[list[nn.Module]]]) -> None:
+        super().build(chunk_params, chunk_modules)
+        trainable = [p for chunk in chunk_params for p in chunk]
+        self.params = ShardedParams(chunk_modules, trainable, self.replicas)
+        self.block_parameters = self.params
+
+    def end_pass(self) -> None:
+        if self.params is not None:
+            self.params.release_all()
+
+    def trainable(self, name: str, p: nn.Parameter, writer: bool, dp: ReplicaGroup | None) -> TrainableParam:
+        shape = tuple(p.zero3_shape)
+        return TrainableParam(
+            name, p, p.main_grad, get_placement(p), writer, len(shape) >= 2, dp,
+            grad_rows=self._sharded().rows[id(p)], param_rows=p.zero3_shard, shape=shape,
+        )
+
+    def saved_piece(self, t: TrainableParam) -> ShardedTensor | None:
+        """Every replica writes its own rows (frozen parameters are whole: the first replica writes)."""
+        if t.param_rows is None or t.grad_rows is None:
+            return super().saved_piece(t)
+        if not t.writer or t.grad_rows[1] == 0:
+            return None
+        rows = t.param_rows.reshape(()) if not t.shape else t.param_rows
+        return ShardedTensor(t.name, rows, rows_placement(t.placement, t.shape, t.grad_rows), trained=True)
+
+    def load(self, t: TrainableParam, reader: ShardReader) -> None:
+        """Read this rank's rows only."""
+        if t.param_rows is None or t.grad_rows is None:
+            return super().load(t, reader)
+        if t.grad_rows[1] == 0:
+            return None
+        rows = t.param_rows.reshape(()) if not t.shape else t.param_rows
+        placement = rows_placement(t.placement, t.shape, t.grad_rows)
+        rows.copy_(reader.read(t.name, placement, tuple(rows.shape), dtype=rows.dtype))
+        return None
+
+    def held(self, p: nn.Parameter) -> torch.Tensor:
+        return getattr(p, "zero3_shard", p)
+
+    def close(self) -> None:
+        if self.params is not None:
+            self.params.close()
+        self.params = self.block_parameters = None
+        super().close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from nanocore.pipeline_api import Action, PipelineSchedule
 
 from .build import LocalModel
 from .context_parallel import ContextParallel
+from .data_parallel import BlockParameters
 from .grid import ParallelContext
 
 _HEADER = 8  # ndim + up to 7 dims
@@ -68,31 +70,44 @@ class P2P:
         self.pending.clear()
 
 
+class GradientHooks(Protocol):
+    """What the executor tells the data-parallel gradients around each backward."""
+
+    def final_backward(self, chunk: int | None) -> None:
+        """The next backward is `chunk`'s last of this step (None: the step's backwards are over)."""
+
+    def after_backward(self, chunk: int) -> None:
+        """A backward of `chunk` has run (and its input gradient was sent)."""
+
+
 class PipelineExecutor:
+    """Runs any schedule's action list for this rank: forwards, backwards and the p2p between stages."""
+
     def __init__(
         self,
         ctx: ParallelContext,
         local: LocalModel,
+        chunk_modules: list[list[list[torch.nn.Module]]],
         schedule: PipelineSchedule,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         dtype: torch.dtype,
         recompute: bool,
-        on_final_backward: Callable[[int | None], None] = lambda chunk: None,
-        after_backward: Callable[[int], None] = lambda chunk: None,
+        gradients: GradientHooks | None = None,
+        block_parameters: BlockParameters | None = None,
         sequence: ContextParallel | None = None,
     ):
+        """`block_parameters`: gathered before each block runs and released after (ZeRO-3); None when
+        parameters are always whole. `gradients` hears of each backward (None: evaluation only)."""
         self.ctx, self.local, self.schedule, self.loss_fn = ctx, local, schedule, loss_fn
+        self.chunk_modules = chunk_modules
         self.sequence = sequence  # context parallelism / document masking: this rank's tokens and their layout
         self.recompute = recompute
-        self.on_final_backward = on_final_backward
-        self.after_backward = after_backward
-        self.params = None  # ZeRO-3's ShardedParams: gathers each block's parameters around its use
+        self.gradients = gradients
+        self.params = block_parameters
         self.p2p = P2P(ctx, dtype)
         self.last_stage = local.num_virtual_stages - 1
         self._actions: dict[int, list[Action]] = {}
-        module = local.module
-        self.chunk_modules = [[[module.get_submodule(n) for n in block] for block in chunk] for chunk in local.chunks]
 
     def actions(self, num_microbatches: int) -> list[Action]:
         if num_microbatches not in self._actions:
@@ -171,7 +186,8 @@ class PipelineExecutor:
                     saved[(c, m)] = (x if stage > 0 else None, y)
             else:
                 x, y = saved.pop((c, m))
-                self.on_final_backward(c if last_backward[c] == i else None)
+                if self.gradients is not None:
+                    self.gradients.final_backward(c if last_backward[c] == i else None)
                 if stage == self.last_stage:
                     y.backward()
                 else:
@@ -179,8 +195,10 @@ class PipelineExecutor:
                     torch.autograd.backward(y, grad)
                 if x is not None:
                     self.p2p.send(x.grad, self._owner(stage - 1), (1, stage - 1, m))
-                self.after_backward(c)  # after the send: the previous stage need not wait for our reduction
-        self.on_final_backward(None)
+                if self.gradients is not None:  # after the send: the previous stage need not wait for our reduction
+                    self.gradients.after_backward(c)
+        if self.gradients is not None:
+            self.gradients.final_backward(None)
         self.p2p.wait_all()
         return total
 

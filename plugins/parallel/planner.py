@@ -1,4 +1,4 @@
-"""The 3d engine's memory plan: bytes per rank before anything is launched (`nanocore plan`).
+"""The `nd` engine's memory plan: bytes per rank before anything is launched (`nanocore plan`).
 
 Parameters are counted exactly: for each distinct rank (pipeline stage x tensor-parallel rank; data-
 and context-parallel replicas hold the same, ZeRO shards within one row) the model is built on the
@@ -33,12 +33,11 @@ backward's peak and the optimizer step's do not overlap (activations are freed b
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from nanocore.config import Config
 from nanocore.dtypes import resolve_dtype_name
+from nanocore.engine_api import MemoryPlan, PlannedLayout, RankPlan
 from nanocore.pipeline_sim import simulate
 from nanocore.registry import Registries
 from nanocore.sharding import row_share
@@ -51,7 +50,7 @@ from .tensor_parallel import parallelize as tp_parallelize
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[str, Any]:
+def plan(config: Config, registries: Registries, device: str = "cuda") -> MemoryPlan:
     """The memory plan of `config` (see the module docstring). `device` resolves `model.dtype: auto`."""
     par, tokens, opt = config.parallelism, config.tokens, config.optimizer
     dtype_name = resolve_dtype_name(config.model.dtype, device)
@@ -134,43 +133,45 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> dict[s
                 backward_phase += max((p.numel() for p in params if p.requires_grad), default=0) * dtype_bytes
             total = param_bytes + grads + (optimizer or 0) + max(backward_phase, step_phase)
             ranks.append(
-                {
-                    "rank": _global_rank(pp_rank, tp_rank, tp, cp, pp),
-                    "pp_rank": pp_rank,
-                    "tp_rank": tp_rank,
-                    "params_bytes": int(param_bytes),
-                    "grads_bytes": int(grads),
-                    "optimizer_bytes": int(optimizer) if states is not None else None,
-                    "activations_bytes": int(activations) if activations is not None else None,
-                    "activations_bytes_per_microbatch_sample": (
+                RankPlan(
+                    rank=_global_rank(pp_rank, tp_rank, tp, cp, pp),
+                    pp_rank=pp_rank,
+                    tp_rank=tp_rank,
+                    params_bytes=int(param_bytes),
+                    grads_bytes=int(grads),
+                    optimizer_bytes=int(optimizer) if states is not None else None,
+                    activations_bytes=int(activations) if activations is not None else None,
+                    activations_bytes_per_microbatch_sample=(
                         int(activations / tokens.micro_batch_size) if activations is not None else None
                     ),
-                    "comm_bytes": int(max(exchange, staging)),
-                    "optimizer_step_bytes": int(updated * 4 * step_temporaries),
-                    "backward_phase_bytes": int(backward_phase),  # activations + ZeRO-2 staging
-                    "step_phase_bytes": int(step_phase),  # exchange + optimizer temporaries
-                    "total_bytes": int(total),
-                }
+                    comm_bytes=int(max(exchange, staging)),
+                    optimizer_step_bytes=int(updated * 4 * step_temporaries),
+                    backward_phase_bytes=int(backward_phase),  # activations + ZeRO-2 staging
+                    step_phase_bytes=int(step_phase),  # exchange + optimizer temporaries
+                    total_bytes=int(total),
+                )
             )
     with torch.device("meta"):
         whole = model_entry.factory(config.model, vocab_multiple=config.model.make_vocab_size_divisible_by)
     per_token = float(whole.flops_per_token(tokens.sequence_length))
     global_tokens = dp * tokens.micro_batch_size * microbatches * tokens.sequence_length
     recompute_factor = {"full": 4 / 3, "selective": 1.0, None: 1.0}[par.recompute]
-    return {
-        "world_size": dp * cp * tp * pp,
-        "layout": {"dp": dp, "cp": cp, "tp": tp, "pp": pp, "ep": ep, "zero_stage": opt.zero_stage},
-        "dtype": dtype_name,
-        "ranks": ranks,
-        "flops_per_step": per_token * global_tokens,
-        "flops_per_step_with_recompute": per_token * global_tokens * recompute_factor,
-        "peak_in_flight_microbatches": [p / max(1, par.pp_virtual_stages) for p in in_flight],
-        "unknown": [
-            *(["activations (the model declares no activation_elements_per_token)"] if ranks[0]["activations_bytes"] is None else []),
-            *(["optimizer state (the optimizer plugin declares no states_per_element)"] if states is None else []),
-        ],
-        "chunks": chunks,
-    }
+    unknown = []
+    if ranks[0].activations_bytes is None:
+        unknown.append("activations (the model declares no activation_elements_per_token)")
+    if states is None:
+        unknown.append("optimizer state (the optimizer plugin declares no states_per_element)")
+    return MemoryPlan(
+        world_size=dp * cp * tp * pp,
+        layout=PlannedLayout(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, zero_stage=opt.zero_stage),
+        dtype=dtype_name,
+        ranks=ranks,
+        flops_per_step=per_token * global_tokens,
+        flops_per_step_with_recompute=per_token * global_tokens * recompute_factor,
+        peak_in_flight_microbatches=[p / max(1, par.pp_virtual_stages) for p in in_flight],
+        unknown=unknown,
+        chunks=chunks,
+    )
 
 
 def _row_elements(p: torch.Tensor, group: int) -> int:

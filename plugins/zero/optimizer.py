@@ -45,7 +45,7 @@ class _Slot:
             self.placement, self.shape = t.placement, local_shape
             param_view, grad_view = t.param.data, t.grad
         elif t.param_rows is not None:  # ZeRO-3: the parameter is whole only while in use; its rows live here
-            full_shape = tuple(t.param.zero3_shape)
+            full_shape = t.shape
             self.placement, self.shape = t.placement.narrow(0, start, length, full_shape)
             param_view, grad_view = t.param_rows, t.grad
         else:
@@ -93,7 +93,7 @@ class ZeroOptimizer:
                 if not sharded:
                     raise PluginError("a replicated ZeRO stage got reduce-scattered gradients (TrainableParam.grad_rows)")
                 start, length = t.grad_rows
-                shape = tuple(t.param.zero3_shape) if t.param_rows is not None else tuple(t.param.shape)
+                shape = t.shape
                 if (start, length) != row_share(shape, group.size, group.rank):
                     raise PluginError(f"{t.name}: the engine's gradient rows {t.grad_rows} are not this rank's share")
                 if len(shape) == 0 and length == 0:

@@ -55,7 +55,7 @@ def test_start_of_run_summary_says_what_runs_where(tmp_path, caplog):
     planned = next(line for line in lines if "memory plan (nanocore plan, rank 0)" in line)
     from nanocore.summary import _bytes
 
-    assert f"{_bytes(plan['ranks'][0]['total_bytes'])} at peak" in planned
+    assert f"{_bytes(plan.ranks[0].total_bytes)} at peak" in planned
     assert f"checkpoints: {(tmp_path / 'checkpoints').resolve()} (every 5 steps, keep last 2)" in summary
     assert f"logs: {(tmp_path / 'logs').resolve()} (jsonl)" in summary
 

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from nanocore import hookimpl
@@ -94,7 +95,7 @@ def _train(raw: dict, world_size: int, extra_plugins: tuple = ()) -> dict:
         pieces = [(s.name, s.tensor.detach().cpu().clone(), s.placement) for s in trainer.engine.model_shards()]
         state_bytes = trainer.engine.optimizer.state_bytes()
         memory = {
-            **trainer.engine.memory_estimate(),
+            **attrs.asdict(trainer.engine.memory_estimate()),
             "grads_held_bytes": _gradient_bytes_held(trainer.engine),
             "params_held_bytes": _parameter_bytes_held(trainer.engine),
         }
@@ -120,7 +121,7 @@ def _parameter_bytes_held(engine) -> int:
 
 def _gradient_bytes_held(engine) -> int:
     """Bytes of gradients this rank keeps between steps: the engine's buffer plus any `.grad` outside it."""
-    buffer = engine.grads.buffer
+    buffer = engine.data_parallel.grad_buffer
     held = buffer.numel() * buffer.element_size()
     base = buffer.untyped_storage().data_ptr()
     for p in engine.model.parameters():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 from nanocore.commands.cli import run as cli_run
@@ -63,13 +64,13 @@ def test_plan_matches_what_a_run_holds(name, tmp_path, registries, monkeypatch):
     parallelism, optimizer = LAYOUTS[name]
     raw = config_56m(tmp_path, parallelism, optimizer)
     planned = plan_for(structure_config(raw, registries), registries, "cpu")
-    world = planned["world_size"]
+    world = planned.world_size
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     ranks = run_ranks(world, _rank_train, raw, timeout=600)
-    by_rank = {r["rank"]: r for r in planned["ranks"]}
+    by_rank = {r.rank: attrs.asdict(r) for r in planned.ranks}
     for rank, result in enumerate(ranks):
         # every rank of the grid is one of the plan's distinct ranks (data-parallel replicas hold the same)
-        tp, pp = planned["layout"]["tp"], planned["layout"]["pp"]
+        tp, pp = planned.layout.tp, planned.layout.pp
         coords = (rank // tp % pp, rank % tp)
         plan = next(r for r in by_rank.values() if (r["pp_rank"], r["tp_rank"]) == coords)
         engine = result["memory"]
@@ -105,12 +106,12 @@ def test_largest_micro_batch_is_the_largest_that_fits(tmp_path, registries):
     config = structure_config(raw, registries)
     device = parse_bytes("1.5GB")
     verdict = fit(plan_for(config, registries, "cpu"), device, config.tokens.micro_batch_size)
-    largest = verdict["largest_micro_batch_size"]
+    largest = verdict.largest_micro_batch_size
     assert largest and largest > 2
 
     def total(mbs: int) -> int:
         config.tokens.micro_batch_size = mbs
-        return max(r["total_bytes"] for r in plan_for(config, registries, "cpu")["ranks"])
+        return max(r.total_bytes for r in plan_for(config, registries, "cpu").ranks)
 
     assert total(largest) <= device < total(largest + 1)
 

@@ -8,7 +8,7 @@ from nanocore.config.schema import ModelArgs
 from nanocore_plugins.llama import model as llama_model
 from nanocore_plugins.llama.config import LlamaConfig
 from nanocore_plugins.llama.plugin import build
-from nanocore_plugins.parallel.engine import recompute_selected
+from nanocore_plugins.parallel.recompute import recompute_selected
 from tests.helpers.training import TINY_MODEL
 
 

@@ -1,0 +1,77 @@
+"""A step's routing statistics over every rank: what each MoE layer of the whole model saw.
+
+Each local MoE layer reports a `nanocore.moe_api.MoEStatistics`; the pipeline stages hold different
+layers and the data-parallel ranks saw different tokens, so the step's figures are one sum over
+every rank. Named fields travel packed in one float64 all-reduce and are unpacked by name.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from nanocore.moe_api import MoELayer
+
+
+@attrs.define
+class StepRoutingStatistics:
+    """Per MoE layer of the whole model (rows in the model's MoE-layer order), summed over ranks."""
+
+    tokens_per_expert: torch.Tensor  # [layers, most experts]: routed token slots
+    aux_loss: torch.Tensor  # [layers]: sum over micro-batches of the load-balancing loss
+    z_loss: torch.Tensor  # [layers]: sum over micro-batches of the router z-loss
+    micro_batches: torch.Tensor  # [layers]: recorded micro-batches
+    has_aux_loss: torch.Tensor  # [layers]: > 0 where the layer computes one
+    has_z_loss: torch.Tensor  # [layers]: > 0 where the layer computes one
+
+    @classmethod
+    def zeros(cls, layers: int, experts: int) -> StepRoutingStatistics:
+        def zero(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.float64)
+
+        return cls(zero(layers, experts), zero(layers), zero(layers), zero(layers), zero(layers), zero(layers))
+
+    def record(self, index: int, layer: MoELayer, keep: bool) -> None:
+        """Take what local layer `index` (among the model's MoE layers) saw since the last step; `keep`
+        is False on the ranks that hold copies of another rank's figures (tp and cp ranks other than 0)."""
+        stats = layer.pop_statistics()
+        if stats is None or not keep:
+            return
+        self.tokens_per_expert[index, : int(layer.num_experts)] = stats.tokens_per_expert.detach().to(
+            "cpu", torch.float64
+        )
+        self.aux_loss[index] = stats.aux_loss or 0.0
+        self.z_loss[index] = stats.z_loss or 0.0
+        self.micro_batches[index] = stats.micro_batches
+        self.has_aux_loss[index] = float(stats.aux_loss is not None)
+        self.has_z_loss[index] = float(stats.z_loss is not None)
+
+    def all_reduce(self, device: torch.device) -> None:
+        """Sum every field over all ranks (one collective)."""
+        fields = attrs.fields(type(self))
+        tensors = [getattr(self, f.name) for f in fields]
+        packed = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+        dist.all_reduce(packed)
+        packed = packed.cpu()
+        offset = 0
+        for field, tensor in zip(fields, tensors, strict=True):
+            setattr(self, field.name, packed[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+    def metrics(self) -> dict[str, float]:
+        """`moe_aux_loss` and `moe_z_loss` (each layer's mean over the step's micro-batches, summed over
+        layers, where any layer has one) and `moe_max_load` (the busiest expert's tokens over the mean,
+        worst layer); empty when a layer recorded no forward (e.g. a step of evaluation only)."""
+        batches = self.micro_batches
+        if not bool((batches > 0).all()):
+            return {}
+        metrics = {}
+        if bool((self.has_aux_loss > 0).any()):
+            metrics["moe_aux_loss"] = float((self.aux_loss / batches).sum())
+        if bool((self.has_z_loss > 0).any()):
+            metrics["moe_z_loss"] = float((self.z_loss / batches).sum())
+        counts = self.tokens_per_expert
+        mean = counts.mean(dim=1).clamp_min(1e-12)
+        metrics["moe_max_load"] = float((counts.max(dim=1).values / mean).max())
+        return metrics

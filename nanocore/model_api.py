@@ -1,54 +1,14 @@
 """What a model plugin provides. Models are written single-device style; engines parallelise them.
 
-A model plugin registers `build(model_args: ModelArgs, *, vocab_multiple: int = 1) -> nn.Module`
+A model plugin registers `build(model_args: ModelArgs, *, vocab_multiple: int = 1) -> CausalLM`
 with its attrs config class; the vocabulary is padded up to a multiple of `vocab_multiple`.
 `build` is called under `torch.device("meta")`; the engine materialises the parameters it keeps
 and fills each through `init_parameter` as a *full* tensor before slicing it, so any topology
 starts from the same weights (docs/parallelism.md, "Order of application", step 4: Materialise).
 
-The module must provide:
-
-- `forward(input_ids: LongTensor[b, s], kv_cache: KVCache | None = None) -> logits[b, s, vocab]`.
-- `pipeline_blocks() -> list[list[str]]`: ordered blocks; each block is a list of submodule names
-  applied in turn (e.g. `[["model.embed_tokens"], ["model.layers.0"], ..., ["model.norm", "lm_head"]]`).
-  Applied in order, the blocks compute the logits: the first takes `input_ids`, every module maps
-  one tensor to one tensor, the last returns logits. `forward` must equal this chain. Blocks compute positions from shapes (sequence dim = 1), so a pipeline stage needs no
-  extra inputs. Decoder layers should be their own blocks (they are the unit of recomputation).
-- `tp_plan: dict[str, str | dict]`: fnmatch pattern on module names -> TP style. Styles:
-  `colwise` (nn.Linear split on out_features), `rowwise` (split on in_features, output reduced),
-  `colwise_kv` (like colwise, but heads fewer than tp are replicated; give `{"style": "colwise_kv",
-  "head_dim": d}`), `vocab_embedding` (nn.Embedding split on rows), `lm_head` (nn.Linear split on
-  rows of the vocabulary; its output stays vocab-sharded into the loss). Model code must derive head
-  counts from tensor shapes (`view(b, s, -1, head_dim)`), never from the config, so that TP works.
-- `init_parameter(name: str, tensor: Tensor, generator: torch.Generator) -> None`: fill the full
-  tensor for parameter `name` in place using only `generator` for randomness. A model whose rule
-  depends on the name only (not on the tensor's shape or position) sets `init_by_row_blocks = True`:
-  an engine may then hand it blocks of rows of a large parameter, each with its own generator, so a
-  rank builds only the rows it holds (LLaMA does).
-- `flops_per_token(sequence_length: int) -> float`: training FLOPs (forward + backward) per token.
-- `vocab_size: int` (the padded size the embedding has), `true_vocab_size: int` (the tokenizer's;
-  logits at and beyond it are padding the engine masks out), `tied_parameters: list[tuple[str, str]]`
-  (names of parameters that share storage, e.g. `("model.embed_tokens.weight", "lm_head.weight")`).
-- `vocab_parameters: list[str]` (needed when the model pads its vocabulary): the parameters whose
-  first dimension is the padded vocabulary, e.g. `["model.embed_tokens.weight", "lm_head.weight"]`
-  (either or both names of a tied pair). Only their first `true_vocab_size` rows are real;
-  checkpoints store those alone, so that a checkpoint written at one tp (one padding) loads at
-  another. It is declared rather than read off the TP plan: a `vocab_embedding`-style table may
-  index something else (GPT-2's learned positions), and the declaration holds at tp=1, where no plan
-  is applied.
-- optionally `selective_recompute_modules: list[str]`: name patterns (fnmatch, `*` matches a layer
-  index) of parameter-free modules an engine may recompute in backward instead of keeping what they
-  save, under `parallelism.recompute_granularity: selective` (LLaMA: every layer's attention core,
-  `model.layers.*.self_attn.core`, as Megatron-LM's selective recompute). Whole-block recompute
-  (`full`) is the engine's business alone.
-- optionally `moe_layers: list[str]`: the mixture-of-experts layers (see `nanocore.moe_api`).
-- optionally `activation_elements_per_token() -> dict[str, float] | None`: what autograd keeps for
-  backward, in elements per token, for the memory planner (`nanocore plan`): `layer_norms`
-  (replicated over TP, sequence-sharded under sequence parallelism), `layer_column_inputs` (the
-  inputs of column-parallel layers: the gathered sequence under sequence parallelism),
-  `layer_sharded` (split over TP), `layer_attention_core_outputs` (the part of `layer_sharded`
-  selective recompute does not keep), `head_norm`, `head_logits` (per decoder layer, and for the
-  final norm + head block). Without it the planner reports activations as unknown.
+The contract is the `CausalLM` protocol below: one source of truth. Each member says what it
+means; the members named in `OPTIONAL_MEMBERS` may be left out (the value says what happens then),
+and `check_model` checks that every other one is there.
 
 Helpers every model plugin can use (the built-in LLaMA/Mixtral and the GPT-2 example do):
 `TiedWeightsMixin` (`tie_weights`, and `to_empty` that re-ties), `init_normal` (layout- and
@@ -59,7 +19,7 @@ with an active share per parameter for sparse models).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar
 
 import attrs
 import torch
@@ -67,18 +27,116 @@ from torch import nn
 
 from nanocore.sharding import Placement
 
+if TYPE_CHECKING:
+    from nanocore.sequence_api import SequenceRuntime
 
-@runtime_checkable
+# a TP style: its name, or a dict with the name under "style" and its options (`colwise_kv`: "head_dim")
+TPStyle: TypeAlias = str | dict[str, str | int]
+
+
 class CausalLM(Protocol):
-    tp_plan: dict[str, Any]
+    """A single-device causal language model, as engines, checkpoints and generation use it."""
+
+    # -- required ---------------------------------------------------------------------------
     vocab_size: int
+    """The padded vocabulary size: the embedding's rows (a multiple of `vocab_multiple`)."""
+
+    tp_plan: dict[str, TPStyle]
+    """fnmatch pattern on module names -> TP style. Styles: `colwise` (nn.Linear split on
+    out_features), `rowwise` (split on in_features, output reduced), `colwise_kv` (like colwise, but
+    heads fewer than tp are replicated; give `{"style": "colwise_kv", "head_dim": d}`),
+    `vocab_embedding` (nn.Embedding split on rows), `lm_head` (nn.Linear split on rows of the
+    vocabulary; its output stays vocab-sharded into the loss). Model code derives head counts from
+    tensor shapes (`view(b, s, -1, head_dim)`), never from the config, so that TP works."""
+
+    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """input_ids [b, s] (int64) -> logits [b, s, vocab_size]; equal to applying `pipeline_blocks`
+        in order. `kv_cache` is for generation (`nanocore generate`)."""
+        ...
+
+    def pipeline_blocks(self) -> list[list[str]]:
+        """Ordered blocks; each a list of submodule names applied in turn (e.g. `[["model.embed_tokens"],
+        ["model.layers.0"], ..., ["model.norm", "lm_head"]]`). The first takes `input_ids`, every module
+        maps one tensor to one tensor, the last returns logits. Blocks compute positions from shapes
+        (sequence dim = 1), so a pipeline stage needs no extra inputs. Decoder layers should be their
+        own blocks (they are the unit of recomputation)."""
+        ...
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill the full tensor for parameter `name` in place, using only `generator` for randomness."""
+        ...
+
+    def flops_per_token(self, sequence_length: int) -> float:
+        """Training FLOPs (forward + backward) per token."""
+        ...
+
+    # -- optional (see OPTIONAL_MEMBERS) ------------------------------------------------------
+    true_vocab_size: int
+    """The tokenizer's vocabulary before padding; logits at and beyond it are padding the engine masks."""
+
     tied_parameters: list[tuple[str, str]]
+    """Names of parameters that share storage, e.g. `("model.embed_tokens.weight", "lm_head.weight")`."""
 
-    def pipeline_blocks(self) -> list[list[str]]: ...
+    vocab_parameters: list[str]
+    """The parameters whose first dimension is the padded vocabulary (either or both names of a tied
+    pair). Only their first `true_vocab_size` rows are real; checkpoints store those alone, so that a
+    checkpoint written at one tp (one padding) loads at another. Declared rather than read off the TP
+    plan: a `vocab_embedding`-style table may index something else (GPT-2's learned positions), and
+    the declaration holds at tp = 1, where no plan is applied."""
 
-    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None: ...
+    init_by_row_blocks: bool
+    """True when `init_parameter` depends on the name only (not the tensor's shape or position): an
+    engine may then hand it blocks of rows of a large parameter, each with its own generator, so a
+    rank builds only the rows it holds (LLaMA does)."""
 
-    def flops_per_token(self, sequence_length: int) -> float: ...
+    selective_recompute_modules: list[str]
+    """Name patterns (fnmatch, `*` matches a layer index) of parameter-free modules an engine may
+    recompute in backward instead of keeping what they save, under
+    `parallelism.recompute_granularity: selective` (LLaMA: `model.layers.*.self_attn.core`, as
+    Megatron-LM's selective recompute). Whole-block recompute (`full`) is the engine's alone."""
+
+    moe_layers: list[str]
+    """The mixture-of-experts layers, each a `nanocore.moe_api.MoELayer`."""
+
+    sequence_features: set[str]
+    """What the model supports of `nanocore.sequence_api`: "context_parallel", "document_masking"."""
+
+    def set_sequence_runtime(self, runtime: SequenceRuntime | None) -> None:
+        """Attention runs through `runtime` (context parallelism, document masking); None: plain causal."""
+        ...
+
+    def activation_elements_per_token(self) -> dict[str, float] | None:
+        """What autograd keeps for backward, in elements per token, for `nanocore plan`: `layer_norms`
+        (replicated over TP, sequence-sharded under sequence parallelism), `layer_column_inputs` (the
+        inputs of column-parallel layers: the gathered sequence under sequence parallelism),
+        `layer_sharded` (split over TP), `layer_attention_core_outputs` (the part of `layer_sharded`
+        selective recompute does not keep), `head_norm`, `head_logits` (per decoder layer, and for the
+        final norm + head block)."""
+        ...
+
+
+OPTIONAL_MEMBERS: dict[str, str] = {
+    "true_vocab_size": "vocab_size: no padding",
+    "tied_parameters": "nothing is tied",
+    "vocab_parameters": "the vocabulary is never padded (needed when vocab_multiple can pad it)",
+    "init_by_row_blocks": "False: each parameter is built whole before it is sliced",
+    "selective_recompute_modules": "recompute_granularity: selective is refused",
+    "moe_layers": "a dense model",
+    "sequence_features": "context parallelism and document masking are refused",
+    "set_sequence_runtime": "needed only with sequence_features",
+    "activation_elements_per_token": "nanocore plan reports activations as unknown",
+}
+
+
+def causal_lm_members() -> list[str]:
+    """Every member of `CausalLM`, in the order the protocol declares them."""
+    names = list(CausalLM.__annotations__)
+    names += [n for n, v in vars(CausalLM).items() if callable(v) and not n.startswith("_") and n not in names]
+    return names
+
+
+def required_members() -> list[str]:
+    return [n for n in causal_lm_members() if n not in OPTIONAL_MEMBERS]
 
 
 class KVCache:
@@ -105,6 +163,9 @@ class KVCache:
         self.length += n
 
 
+M = TypeVar("M", bound="TiedWeightsMixin")
+
+
 class TiedWeightsMixin:
     """For a model module (listed before `nn.Module` in its bases) whose `tied_parameters` pairs share
     one Parameter: `tie_weights()` makes each pair one Parameter, and `to_empty` (which unties them,
@@ -119,7 +180,7 @@ class TiedWeightsMixin:
             dst_mod, _, dst_name = target.rpartition(".")
             setattr(self.get_submodule(dst_mod), dst_name, getattr(self.get_submodule(src_mod), src_name))  # type: ignore[attr-defined]
 
-    def to_empty(self, *, device: Any, recurse: bool = True):
+    def to_empty(self: M, *, device: torch.device | str | int | None, recurse: bool = True) -> M:
         super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]
         self.tie_weights()
         return self
@@ -154,14 +215,11 @@ def count_matmul_parameters(
 def check_model(model: nn.Module, model_type: str) -> None:
     from nanocore.errors import PluginError
 
-    missing = [
-        a
-        for a in ("pipeline_blocks", "tp_plan", "init_parameter", "flops_per_token", "vocab_size")
-        if not hasattr(model, a)
-    ]
+    missing = [a for a in required_members() if not hasattr(model, a)]
     if missing:
         raise PluginError(
-            f"model type {model_type!r} built a module without {', '.join(missing)} (see nanocore.model_api)"
+            f"model type {model_type!r} built a module without {', '.join(missing)} "
+            "(the contract: nanocore.model_api.CausalLM)"
         )
     params = dict(model.named_parameters(remove_duplicate=False))
     for name in vocab_parameters(model):
@@ -187,7 +245,7 @@ def valid_rows(model: nn.Module, name: str) -> int | None:
     """How many rows of parameter `name` are real: `true_vocab_size` for a vocabulary parameter, else None (all)."""
     if name not in vocab_parameters(model):
         return None
-    return int(getattr(model, "true_vocab_size", model.vocab_size))
+    return int(getattr(model, "true_vocab_size", model.vocab_size))  # type: ignore[arg-type]
 
 
 def whole_placement(model: nn.Module, name: str, shape: tuple[int, ...]) -> Placement:

@@ -102,14 +102,16 @@ class LazyTensor:
         with safe_open(str(file), framework="pt") as f:
             self.shape = torch.Size(f.get_slice(key).get_shape())
 
-    def __getitem__(self, index) -> torch.Tensor:
+    def __getitem__(self, index: tuple[slice, ...] | slice | int) -> torch.Tensor:
         with safe_open(str(self.file), framework="pt") as f:
             if index == () or not self.shape:
-                return f.get_tensor(self.key)[index]
-            return f.get_slice(self.key)[index]
+                whole: torch.Tensor = f.get_tensor(self.key)[index]
+                return whole
+            part: torch.Tensor = f.get_slice(self.key)[index]
+            return part
 
 
-def read_hf_state(folder: Path, lazy: bool = False) -> dict[str, torch.Tensor]:
+def read_hf_state(folder: Path, lazy: bool = False) -> dict[str, torch.Tensor | LazyTensor]:
     """Every tensor of the folder's safetensors files (one file, or shards listed by the index);
     `lazy`: `LazyTensor`s, read where indexed."""
     index = folder / HF_INDEX
@@ -128,7 +130,7 @@ def read_hf_state(folder: Path, lazy: bool = False) -> dict[str, torch.Tensor]:
                 "safe_serialization=True)"
             )
         raise NanocoreError(f"{folder} has no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor | LazyTensor] = {}
     for file in files:
         if not file.is_file():
             raise NanocoreError(f"{index} lists {file.name}, which is missing")

@@ -172,7 +172,7 @@ class PluginSet:
         return self._registries
 
     @property
-    def hook(self):
+    def hook(self) -> pluggy.HookRelay:
         return self.pm.hook
 
     def list(self) -> list[PluginInfo]:

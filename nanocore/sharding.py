@@ -12,8 +12,13 @@ zeros for its own layout.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Work
 
 _ATTR = "_nanocore_placement"
 
@@ -91,17 +96,23 @@ def row_share(shape: tuple[int, ...] | torch.Size, parts: int, index: int) -> tu
     return shard_range(rows, parts, index)
 
 
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """`torch.distributed.all_gather_single` (torch >= 2.13), else `all_gather_into_tensor` (its older name)."""
     import torch.distributed as dist
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    work: Work | None = fn(output, input, group=group, async_op=async_op)
+    return work
 
 
-def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+def reduce_scatter_single(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """`torch.distributed.reduce_scatter_single` (torch >= 2.13), else `reduce_scatter_tensor` (its older name)."""
     import torch.distributed as dist
 
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    work: Work | None = fn(output, input, group=group, async_op=async_op)
+    return work

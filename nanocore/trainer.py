@@ -25,6 +25,7 @@ from nanocore.checkpoint.verify import verify_for_resume
 from nanocore.config import Config, unstructure_config
 from nanocore.config.load import LoadedConfig
 from nanocore.data.build import build_tokenizer, check_vocab, document_separator, stage_mixture
+from nanocore.data.mixture import Mixture
 from nanocore.data.schedule import DataSchedule
 from nanocore.engine_api import Engine
 from nanocore.errors import NanocoreError, TrainingError, TrainingInterrupted, explain_collective_failure
@@ -127,7 +128,7 @@ class Trainer:
         cfg = self.config
         stages = cfg.data_stages
 
-        def build(index: int):
+        def build(index: int) -> Mixture:
             split = "train" if key == "dataset" else "validation"
             log.info("data stage %r (%s): building datasets", stages[index].name, split)
             return stage_mixture(

@@ -30,7 +30,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -217,7 +217,7 @@ def _fail_unless_all_ok(root: Path, step: int, is_main: bool, error: BaseExcepti
     if is_main:
         shutil.rmtree(tmp_folder(root, step), ignore_errors=True)
     reason = _io_reason(error) if error is not None else "another rank could not write its part (its log says why)"
-    if reason is None:
+    if reason is None and error is not None:
         raise error  # not an I/O problem: a bug, shown with its traceback
     if not is_main:
         log.error("could not write the checkpoint of step %d: %s", step, reason)
@@ -302,7 +302,7 @@ def write_json(path: Path, data: Any) -> None:
 # -- RNG -------------------------------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
     """Every RNG this process uses, in a form torch.load(weights_only=True) accepts."""
-    np_state = np.random.get_state()
+    np_state = cast(tuple, np.random.get_state(legacy=True))  # (kind, keys, pos, has_gauss, cached)
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

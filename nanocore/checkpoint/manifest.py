@@ -97,4 +97,5 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
         raise ValueError("does not list the checkpoint's files (no 'files' with sizes)")
     if data.get("checksum") != ALGORITHM:
         raise ValueError(f"uses checksum {data.get('checksum')!r}; this nanocore knows {ALGORITHM}")
-    return data
+    manifest: dict[str, Any] = data
+    return manifest

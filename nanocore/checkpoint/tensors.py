@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -122,7 +123,7 @@ class ShardReader:
         covered = torch.zeros(shape, dtype=torch.bool)
         if shape:
             covered[max(0, real - placement.offsets[0]) :] = True  # padding rows: zeros, read from nowhere
-        handles: dict[Path, object] = {}
+        handles: dict[Path, Any] = {}  # open safetensors files (safe_open's handle is untyped)
         try:
             for piece in pieces:
                 lo = [max(a, b) for a, b in zip(placement.offsets, piece.offsets, strict=True)]
@@ -172,11 +173,13 @@ class ShardReader:
         return want[0] if valid is None else valid
 
 
-def _load(piece: _Piece, index: tuple[slice, ...], handles: dict[Path, object]) -> torch.Tensor:
+def _load(piece: _Piece, index: tuple[slice, ...], handles: dict[Path, Any]) -> torch.Tensor:
     """`index` of a piece (the whole of a scalar for `()`), from memory or from its file."""
     if piece.file is None:
+        assert piece.tensor is not None  # a piece is in memory or in a file
         return piece.tensor[index]
     if piece.file not in handles:
         handles[piece.file] = safe_open(str(piece.file), framework="pt").__enter__()
     handle = handles[piece.file]
-    return handle.get_slice(piece.key)[index] if index else handle.get_tensor(piece.key)
+    data: torch.Tensor = handle.get_slice(piece.key)[index] if index else handle.get_tensor(piece.key)
+    return data

@@ -17,7 +17,7 @@ import logging
 from bisect import bisect_left
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -32,6 +32,7 @@ from nanocore.checkpoint.tensors import META_KEY
 from nanocore.errors import NanocoreError
 
 log = logging.getLogger("nanocore")
+T = TypeVar("T")
 FRESH_OPTIMIZER = (
     "; or, to go on from this checkpoint with fresh optimizer state (AdamW's moments restart from zero), "
     "set checkpoints.load_optimizer: false"
@@ -146,7 +147,7 @@ def _check_files(folder: Path, files: dict[str, Any], optimizer: bool, share: tu
     return f"{MANIFEST}: {count} files ({size} bytes), the size and {ALGORITHM} of each as saved"
 
 
-def _parse(folder: Path, name: str, parse: Callable[[Path], Any], kind: str) -> Any:
+def _parse(folder: Path, name: str, parse: Callable[[Path], T], kind: str) -> T:
     path = folder / name
     if not path.is_file():
         raise _Damage(name, "is missing")

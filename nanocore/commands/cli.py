@@ -10,6 +10,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 from nanocore import __version__
 from nanocore.commands import checkpoint, convert, generate, pipeline_sim, plan  # light: torch comes when one runs
@@ -53,7 +54,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     from nanocore.config.load import load_config
 
     loaded = load_config(args.config, args.plugin, world_size=args.world_size, overrides=args.overrides)
-    for line in check_inputs(loaded.config, loaded.plugins.registries, loaded.path.resolve().parent, data=not args.skip_data):
+    config_dir = loaded.path.resolve().parent if loaded.path is not None else Path.cwd()
+    for line in check_inputs(loaded.config, loaded.plugins.registries, config_dir, data=not args.skip_data):
         print(f"ok: {line}", file=sys.stderr)
     sys.stdout.write(dump_yaml(loaded.config))
     return 0

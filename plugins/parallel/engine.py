@@ -35,11 +35,11 @@ from .data_parallel_zero3 import ShardedParameters
 from .expert_parallel import ExpertParallel, is_expert
 from .expert_statistics import StepRoutingStatistics
 from .grid import ParallelContext
-from .loss import cross_entropy
+from .loss import cross_entropy, vocab_parallel_cross_entropy
 from .pipeline_parallel import PipelineExecutor
 from .recompute import recompute_selected
 from .tensor_parallel import parallelize as tp_parallelize
-from .tensor_parallel import tp_grad_sync, tp_owned_parameters, vocab_parallel_cross_entropy
+from .tensor_parallel import tp_grad_sync, tp_owned_parameters
 
 
 def data_parallel_for(zero: Entry) -> type[DataParallel]:

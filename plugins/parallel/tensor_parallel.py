@@ -7,7 +7,7 @@ The layers hold weights only; how activations travel (ALL_REDUCE or REDUCE_SCATT
 mode's business (`nanocore.tp_api.TPMode`, implemented by TP-mode plugins), so a new mode needs no new layers.
 
 After every backward, `tp_grad_sync(model, group)` adds up the gradients that TP leaves partial.
-The loss is computed from vocab-sharded logits by `vocab_parallel_cross_entropy`.
+The loss is computed from vocab-sharded logits by `loss.vocab_parallel_cross_entropy`.
 """
 
 from __future__ import annotations
@@ -384,66 +384,3 @@ def tp_owned_parameters(model: nn.Module, group: Group) -> Iterable[tuple[str, n
         if id(param) in duplicate or (id(param) not in sharded and rank != 0):
             continue
         yield name, param
-
-
-def vocab_parallel_cross_entropy(
-    logits_local: torch.Tensor,
-    labels: torch.Tensor,
-    group: Group,
-    vocab_start: int,
-    true_vocab_size: int,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-) -> torch.Tensor:
-    """Cross-entropy from vocab-sharded logits [..., vocab/tp] without gathering them (Megatron).
-
-    Columns at or beyond `true_vocab_size` are padding and are masked out. Labels equal to
-    `ignore_index` do not count. `reduction`: "mean" over counted tokens, "sum", or "none" (per
-    token, 0 where ignored). Computed in float32. With `group` None it equals `F.cross_entropy` on
-    the unpadded logits.
-    """
-    per_token = _VocabParallelCrossEntropy.apply(
-        logits_local, labels, group, vocab_start, true_vocab_size, ignore_index
-    )
-    if reduction == "none":
-        return per_token
-    if reduction == "sum":
-        return per_token.sum()
-    return per_token.sum() / (labels != ignore_index).sum().clamp(min=1)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start, true_vocab_size, ignore_index):
-        tp, _ = _size_rank(group)
-        local_vocab = logits.shape[-1]
-        ctx.input_dtype = logits.dtype
-        logits = logits.to(torch.float32, copy=True)  # worked on in place below; the caller's stays intact
-        padding = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device) >= true_vocab_size
-        logits.masked_fill_(padding, float("-inf"))
-        max_logit = logits.amax(dim=-1)
-        if tp > 1:
-            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
-        logits.sub_(max_logit.unsqueeze(-1))
-        ignored = labels == ignore_index
-        mine = (labels >= vocab_start) & (labels < vocab_start + local_vocab) & ~ignored
-        local_labels = (labels - vocab_start).masked_fill(~mine, 0)
-        target = logits.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        exp = logits.exp_()
-        sum_exp = exp.sum(dim=-1)
-        if tp > 1:
-            both = torch.stack([target, sum_exp])  # one collective for two sums
-            dist.all_reduce(both, group=group)
-            target, sum_exp = both[0], both[1]
-        loss = (sum_exp.log() - target).masked_fill(ignored, 0.0)
-        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
-        ctx.save_for_backward(exp, mine, local_labels, ignored)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, mine, local_labels, ignored = ctx.saved_tensors
-        grad = softmax  # d loss / d logits = softmax - one_hot(label); reuse the buffer
-        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
-        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None, None

@@ -19,13 +19,13 @@ from torch.utils.checkpoint import checkpoint
 
 from nanocore.plugins import PluginSet
 from nanocore.sharding import get_placement
+from nanocore_plugins.parallel.loss import vocab_parallel_cross_entropy
 from nanocore_plugins.parallel.tensor_parallel import (
     VocabParallelLMHead,
     parallelize,
     set_tp_mode,
     tp_grad_sync,
     tp_owned_parameters,
-    vocab_parallel_cross_entropy,
 )
 from nanocore_plugins.tp_modes import comm
 from nanocore_plugins.tp_modes import plugin as tp_modes_plugin

@@ -33,8 +33,9 @@ from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
 from nanocore.engine_api import ReplicaGroup, TrainableParam
 from nanocore.sharding import Placement, get_placement
 
+from .expert_parallel import is_expert
+
 # (group, size, this rank's index) of the data-parallel ranks holding the same piece of a parameter
-ReplicasOf = Callable[[nn.Parameter], tuple[object, int, int]]
 
 
 class BlockParameters(Protocol):
@@ -94,31 +95,33 @@ class ReplicatedGradients:
     block_parameters: BlockParameters | None = None
 
     def __init__(
-        self,
-        replicas: ReplicasOf,
-        dense: ReplicaGroup,
-        experts: ReplicaGroup,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        bucket_bytes: int,
+        self, dense: ReplicaGroup, experts: ReplicaGroup, *, dtype: torch.dtype, device: torch.device, bucket_bytes: int
     ):
-        """`replicas(p)` -> (group, size, rank) of the ranks holding `p`: `dense` (data x context
-        parallel) for most, `experts` (expert-data-parallel) for expert weights. Every gradient is
-        divided by the dense size (the loss is the mean over the global batch)."""
-        self.replicas, self.dense, self.experts = replicas, dense, experts
+        """The ranks holding a parameter are `dense` (data x context parallel) for most, `experts`
+        (expert-data-parallel) for expert weights. Every gradient is divided by the dense size (the
+        loss is the mean over the global batch)."""
+        self.dense, self.experts = dense, experts
         self.dtype, self.device, self.bucket_bytes = dtype, device, bucket_bytes
         self.dp_size = dense.size
         self.grads: GradBuffers | None = None
         self.grad_buffer = torch.zeros(0, dtype=dtype, device=device)
+
+    def replicas(self, p: nn.Parameter) -> tuple[object, int, int]:
+        """(group, size, this rank's index) of the ranks holding the same piece of `p`."""
+        r = self.experts if is_expert(p) else self.dense
+        return r.group, r.size, r.rank
 
     def rows_at_rest(self, p: nn.Parameter) -> tuple[int, int] | None:
         return None
 
     def build(self, chunk_params: list[list[nn.Parameter]], chunk_modules: list[list[list[nn.Module]]]) -> None:
         self.grads = GradBuffers(
-            chunk_params, dtype=self.dtype, device=self.device, bucket_bytes=self.bucket_bytes,
-            dp_size=self.dp_size, replica_group=lambda p: self.replicas(p)[:2],
+            chunk_params,
+            dtype=self.dtype,
+            device=self.device,
+            bucket_bytes=self.bucket_bytes,
+            dp_size=self.dp_size,
+            replica_group=lambda p: self.replicas(p)[:2],
         )
         self.grad_buffer = self.grads.buffer
 
@@ -164,6 +167,14 @@ class ReplicatedGradients:
         if self.grads is not None:
             self.grads.close()
         self.grads = None
+
+
+def real_elements(tensor: torch.Tensor, placement: Placement) -> int:
+    """Elements of a parameter piece that are the model's, not vocabulary padding of this layout."""
+    if tensor.dim() == 0 or tensor.shape[0] == 0:
+        return tensor.numel()
+    rows = tensor.shape[0]
+    return tensor.numel() // rows * placement.real_rows(rows)
 
 
 def rows_placement(placement: Placement, shape: tuple[int, ...], rows: tuple[int, int]) -> Placement:

@@ -26,7 +26,7 @@ from torch import nn
 from nanocore.engine_api import ReplicaGroup, TrainableParam
 from nanocore.sharding import get_placement, reduce_scatter_single, row_share
 
-from .data_parallel import BlockParameters, ReplicasOf, ReplicatedGradients
+from .data_parallel import BlockParameters, ReplicatedGradients
 
 
 def full_shape(p: nn.Parameter) -> tuple[int, ...]:
@@ -211,22 +211,19 @@ class ShardedGradients(ReplicatedGradients):
     block_parameters: BlockParameters | None = None
 
     def __init__(
-        self,
-        replicas: ReplicasOf,
-        dense: ReplicaGroup,
-        experts: ReplicaGroup,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        bucket_bytes: int,
+        self, dense: ReplicaGroup, experts: ReplicaGroup, *, dtype: torch.dtype, device: torch.device, bucket_bytes: int
     ):
-        super().__init__(replicas, dense, experts, dtype=dtype, device=device, bucket_bytes=bucket_bytes)
+        super().__init__(dense, experts, dtype=dtype, device=device, bucket_bytes=bucket_bytes)
         self.sharded_grads: ShardedGradBuffers | None = None
 
     def build(self, chunk_params: list[list[nn.Parameter]], chunk_modules: list[list[list[nn.Module]]]) -> None:
         self.sharded_grads = ShardedGradBuffers(
-            chunk_params, dtype=self.dtype, device=self.device, bucket_bytes=self.bucket_bytes,
-            dp_size=self.dp_size, replica_group=self.replicas,
+            chunk_params,
+            dtype=self.dtype,
+            device=self.device,
+            bucket_bytes=self.bucket_bytes,
+            dp_size=self.dp_size,
+            replica_group=self.replicas,
         )
         self.grad_buffer = self.sharded_grads.buffer
 
@@ -250,8 +247,15 @@ class ShardedGradients(ReplicatedGradients):
     def trainable(self, name: str, p: nn.Parameter, writer: bool, dp: ReplicaGroup | None) -> TrainableParam:
         shape = full_shape(p)
         return TrainableParam(
-            name, p, p.main_grad, get_placement(p), writer, len(shape) >= 2, dp,
-            grad_rows=self._sharded().rows[id(p)], shape=shape,
+            name,
+            p,
+            p.main_grad,
+            get_placement(p),
+            writer,
+            len(shape) >= 2,
+            dp,
+            grad_rows=self._sharded().rows[id(p)],
+            shape=shape,
         )
 
     def square_sums(self, dense: torch.Tensor, experts: torch.Tensor) -> None:
@@ -264,4 +268,3 @@ class ShardedGradients(ReplicatedGradients):
         if self.sharded_grads is not None:
             self.sharded_grads.close()
         self.sharded_grads = None
-

@@ -151,7 +151,9 @@ class ShardedParams:
             return None, None
         dtype, device = gather.params[0].dtype, gather.params[0].device
         send = torch.zeros(gather.width, dtype=dtype, device=device)
-        for p, (offset, _, rows), per_row in zip(gather.params, gather.places[gather.rank], gather.row_numel, strict=True):
+        for p, (offset, _, rows), per_row in zip(
+            gather.params, gather.places[gather.rank], gather.row_numel, strict=True
+        ):
             send[offset : offset + rows * per_row].copy_(p.zero3_shard.reshape(-1))
         if gather.size == 1:
             return None, send
@@ -214,8 +216,16 @@ class ShardedParameters(ShardedGradients):
     def trainable(self, name: str, p: nn.Parameter, writer: bool, dp: ReplicaGroup | None) -> TrainableParam:
         shape = tuple(p.zero3_shape)
         return TrainableParam(
-            name, p, p.main_grad, get_placement(p), writer, len(shape) >= 2, dp,
-            grad_rows=self._sharded().rows[id(p)], param_rows=p.zero3_shard, shape=shape,
+            name,
+            p,
+            p.main_grad,
+            get_placement(p),
+            writer,
+            len(shape) >= 2,
+            dp,
+            grad_rows=self._sharded().rows[id(p)],
+            param_rows=p.zero3_shard,
+            shape=shape,
         )
 
     def saved_piece(self, t: TrainableParam) -> ShardedTensor | None:

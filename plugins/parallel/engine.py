@@ -12,7 +12,7 @@ What differs between ZeRO stages lives in the `DataParallel` strategy chosen onc
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,18 +24,19 @@ from nanocore.engine_api import MemoryEstimate, ReplicaGroup, StepOutput, Traina
 from nanocore.errors import PluginError
 from nanocore.moe_api import MoELayer
 from nanocore.registry import Entry, Registries
-from nanocore.sharding import Placement, get_placement
+from nanocore.sharding import get_placement
 from nanocore.tp_api import TPMode
 
 from .build import LocalModel, build_local_model, chunk_modules, chunk_parameters, meta_model, tied_across_stages
 from .context_parallel import ContextParallel
-from .data_parallel import DataParallel, ReplicatedGradients
+from .data_parallel import DataParallel, ReplicatedGradients, real_elements
 from .data_parallel_zero2 import ShardedGradients
 from .data_parallel_zero3 import ShardedParameters
 from .expert_parallel import ExpertParallel, is_expert
 from .expert_statistics import StepRoutingStatistics
+from .grad_norm import global_grad_norm
 from .grid import ParallelContext
-from .loss import cross_entropy, vocab_parallel_cross_entropy
+from .loss import language_model_loss
 from .pipeline_parallel import PipelineExecutor
 from .recompute import recompute_selected
 from .tensor_parallel import parallelize as tp_parallelize
@@ -49,6 +50,9 @@ def data_parallel_for(zero: Entry) -> type[DataParallel]:
     if zero.extras.get("shards_gradients"):
         return ShardedGradients
     return ReplicatedGradients
+
+
+T = TypeVar("T")
 
 
 class ParallelEngine:
@@ -69,9 +73,9 @@ class ParallelEngine:
         self.edp = ReplicaGroup(ctx.edp_group, ctx.edp_rank, ctx.edp)
         strategy = data_parallel_for(registries.zero_stage.get(str(config.optimizer.zero_stage)))
         grad_dtype = torch.float32 if config.optimizer.accumulate_grad_in_fp32 else self.dtype
+        bucket_bytes = config.model.ddp_bucket_cap_mb * 2**20
         self.data_parallel: DataParallel = strategy(
-            self._replicas, self.dcp, self.edp, dtype=grad_dtype, device=self.device,
-            bucket_bytes=config.model.ddp_bucket_cap_mb * 2**20,
+            self.dcp, self.edp, dtype=grad_dtype, device=self.device, bucket_bytes=bucket_bytes
         )
         # the ranks holding other tokens of a micro-batch: its cp chunks, and its tp shards under sequence parallelism
         sequence_parallel = self.tp_mode is not None and self.tp_mode.sequence_parallel
@@ -107,27 +111,37 @@ class ParallelEngine:
         if ctx.tp > 1:
             tp_parallelize(model, model.tp_plan, ctx.tp_group, self.tp_mode, par.tp_linear_async_communication)
         local = self.local = build_local_model(
-            model, seed=seed, device=self.device, dtype=self.dtype, pp_size=ctx.pp, pp_rank=ctx.pp_rank,
-            virtual_stages=par.pp_virtual_stages, ep_size=ctx.ep, ep_rank=ctx.ep_rank,
+            model,
+            seed=seed,
+            device=self.device,
+            dtype=self.dtype,
+            pp_size=ctx.pp,
+            pp_rank=ctx.pp_rank,
+            virtual_stages=par.pp_virtual_stages,
+            ep_size=ctx.ep,
+            ep_rank=ctx.ep_rank,
             rows_of=self.data_parallel.rows_at_rest,
         )
         self.model, self.true_vocab_size = local.module, local.true_vocab_size
         if par.recompute == "selective":
             recompute_selected(self.model)
         self._setup_sequence()
-        for index, name in enumerate(local.moe_layers):  # hand each local MoE layer the expert runtime
-            layer = self.model.get_submodule(name) if _has_submodule(self.model, name) else None
-            if isinstance(layer, MoELayer):
-                layer.set_runtime(self.experts)
-                self.moe_local[index] = layer
+        self.moe_local = self.experts.attach(self.model, local.moe_layers)
         with torch.device("meta"):
             self.flops_model = entry.factory(model_args, vocab_multiple=model_args.make_vocab_size_divisible_by)
         self.tied_split = tied_across_stages(self.model, ctx.pp)
         modules = chunk_modules(local)
         self.data_parallel.build(chunk_parameters(local), modules)
         self.executor = PipelineExecutor(
-            ctx, local, modules, self.schedule, self._loss, dtype=self.dtype, recompute=par.recompute == "full",
-            gradients=self.data_parallel, block_parameters=self.data_parallel.block_parameters,
+            ctx,
+            local,
+            modules,
+            self.schedule,
+            language_model_loss(ctx.tp_group, ctx.tp_rank, self.true_vocab_size),
+            dtype=self.dtype,
+            recompute=par.recompute == "full",
+            gradients=self.data_parallel,
+            block_parameters=self.data_parallel.block_parameters,
             sequence=self.sequence,
         )
 
@@ -142,17 +156,6 @@ class ParallelEngine:
         separator = self.document_separator if masking else None
         self.sequence = ContextParallel(ctx.cp_group, ctx.cp, ctx.cp_rank, ctx.cp_group_ranks, separator)
         self._model().set_sequence_runtime(self.sequence)
-
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.ctx.tp > 1:
-            vocab_start = self.ctx.tp_rank * logits.shape[-1]
-            return vocab_parallel_cross_entropy(logits, labels, self.ctx.tp_group, vocab_start, self.true_vocab_size)
-        return cross_entropy(logits[..., : self.true_vocab_size], labels)
-
-    def _replicas(self, p: torch.nn.Parameter) -> tuple[Any, int, int]:
-        """(group, size, this rank's index) of the ranks holding the same piece of `p`."""
-        r = self.edp if is_expert(p) else self.dcp
-        return r.group, r.size, r.rank
 
     def _model(self) -> torch.nn.Module:
         if self.model is None:
@@ -170,7 +173,9 @@ class ParallelEngine:
             writer = name in owned and name not in local.replica_of_tied
             canonical = local.canonical[name]
             if p.requires_grad:
-                self.trainables.append(self.data_parallel.trainable(canonical, p, writer, self.edp if is_expert(p) else None))
+                self.trainables.append(
+                    self.data_parallel.trainable(canonical, p, writer, self.edp if is_expert(p) else None)
+                )
             else:
                 self.frozen.append(TrainableParam(canonical, p, None, get_placement(p), writer, False))
         args = optimizer_args
@@ -179,7 +184,9 @@ class ParallelEngine:
 
         def build_optimizer(param_groups: list[dict]) -> torch.optim.Optimizer:
             lr = args.learning_rate_scheduler.learning_rate
-            return optimizer.factory(param_groups, args.optimizer_factory.args, lr=lr, weight_decay=args.weight_decay, device=self.device)
+            return optimizer.factory(
+                param_groups, args.optimizer_factory.args, lr=lr, weight_decay=args.weight_decay, device=self.device
+            )
 
         self.optimizer = zero.factory(self.trainables, build_optimizer, self.dcp)
 
@@ -190,20 +197,7 @@ class ParallelEngine:
             local = self.executor.run(micro_batches, train=train)
         finally:
             self.data_parallel.end_pass()
-        return self._global_mean(local)
-
-    def _global_mean(self, local_sum: torch.Tensor) -> float:
-        """Loss from the last stage (tp rank 0), averaged over DP x CP (each cp rank's is the mean over its
-        equal share of the tokens), on every rank."""
-        ctx = self.ctx
-        if not ctx.distributed:
-            return float(local_sum)
-        value = local_sum.detach().float().clone()
-        if not (ctx.is_last_stage and ctx.tp_rank == 0):
-            value.zero_()
-        value /= ctx.dcp
-        dist.all_reduce(value)
-        return float(value)
+        return self.ctx.loss_on_every_rank(local)
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepOutput:
         model, optimizer = self._model(), self.optimizer
@@ -219,45 +213,23 @@ class ParallelEngine:
             tp_grad_sync(model, self.ctx.tp_group, grad_of=lambda p: getattr(p, "main_grad", None))
         for p in self.tied_split:  # tied embeddings on the first and last stage: sum both sides
             dist.all_reduce(p.main_grad, group=self.ctx.tied_group)
-        routing = self._routing_statistics()
+        assert self.local is not None
+        routing = None
+        if self.local.moe_layers:
+            routing = StepRoutingStatistics.of_step(
+                self.moe_local, len(self.local.moe_layers), self.local.moe_experts, self.ctx
+            )
         metrics = routing.metrics() if routing is not None else {}
         if not math.isfinite(loss):
             return StepOutput(loss, None, skipped=True, metrics=metrics)
-        norm = self._grad_norm()
+        norm = global_grad_norm(self.trainables, self.data_parallel, self.ctx, self.device)
         clip = self.config.optimizer.clip_grad
         if clip is not None and norm > clip:
             self.data_parallel.grad_buffer.mul_(clip / (norm + 1e-6))
         optimizer.step(lr)
-        for index, layer in self.moe_local.items():  # bias-balanced routers (DeepSeek-V3) follow the step's load
-            update = getattr(layer, "update_router_bias", None)
-            if update is not None and routing is not None:
-                update(routing.tokens_per_expert[index])
+        if routing is not None:  # bias-balanced routers (DeepSeek-V3) follow the step's load
+            routing.update_router_biases(self.moe_local)
         return StepOutput(loss, norm, metrics=metrics)
-
-    def _routing_statistics(self) -> StepRoutingStatistics | None:
-        """The step's routing statistics of every MoE layer, summed over every rank (None: dense model)."""
-        assert self.local is not None
-        if not self.local.moe_layers:
-            return None
-        stats = StepRoutingStatistics.zeros(len(self.local.moe_layers), self.local.moe_experts)
-        keep = self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0  # TP and CP ranks hold the same (summed) figures
-        for index, layer in self.moe_local.items():
-            stats.record(index, layer, keep)
-        if self.ctx.distributed:
-            stats.all_reduce(self.device)
-        return stats
-
-    def _grad_norm(self) -> float:
-        # one multi-tensor norm per kind, no squared copies of the gradients
-        dense = _sum_of_squares([t.grad for t in self.trainables if t.writer and t.dp is None], self.device)
-        experts = _sum_of_squares([t.grad for t in self.trainables if t.writer and t.dp is not None], self.device)
-        self.data_parallel.square_sums(dense, experts)  # ZeRO-2/3: each replica holds other rows
-        if self.ctx.ep > 1:  # each expert-parallel rank holds other experts
-            dist.all_reduce(experts, group=self.ctx.ep_group)
-        dense += experts
-        if self.ctx.distributed and self.ctx.tp * self.ctx.pp > 1:
-            dist.all_reduce(dense, group=self.ctx.mp_group)
-        return float(dense.sqrt())
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
@@ -301,29 +273,20 @@ class ParallelEngine:
         grads = self.data_parallel.grad_buffer
         return MemoryEstimate(
             parameters=sum(p.numel() for p in held),
-            written_parameters=sum(_real_numel(piece.tensor, piece.placement) for piece in self.model_shards()),
+            written_parameters=sum(real_elements(piece.tensor, piece.placement) for piece in self.model_shards()),
             params_bytes=sum(p.numel() * p.element_size() for p in held),
             grads_bytes=grads.numel() * grads.element_size(),
             optimizer_bytes=optimizer,
         )
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order, on every rank."""
-        if not self.ctx.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
+    def all_gather_object(self, obj: T) -> list[T]:
+        return self.ctx.all_gather_object(obj)
 
     def barrier(self) -> None:
         self.ctx.barrier()
 
     def all_ranks_ok(self, ok: bool) -> bool:
-        if not self.ctx.distributed:
-            return ok
-        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
-        dist.all_reduce(flag)
-        return float(flag) == 0.0
+        return self.ctx.all_ranks_ok(ok)
 
     def shutdown(self) -> None:
         """Close what the strategies own, drop every reference to the process groups (TP layers,
@@ -334,30 +297,3 @@ class ParallelEngine:
             if name != "ctx":
                 setattr(self, name, None)
         ctx.destroy()
-
-
-def _has_submodule(model: torch.nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-    except AttributeError:  # on another pipeline stage
-        return False
-    return True
-
-
-def _sum_of_squares(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-    present = [t for t in tensors if t is not None and t.numel()]
-    if not present:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    if all(t.dtype == torch.float32 for t in present):
-        norms = torch._foreach_norm(present)  # what torch.nn.utils.clip_grad_norm_ uses
-    else:  # bfloat16 gradients: each norm accumulated in float32
-        norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in present]
-    return torch.stack(list(norms)).pow(2).sum()
-
-
-def _real_numel(tensor: torch.Tensor, placement: Placement) -> int:
-    """Elements of a parameter piece that are the model's, not vocabulary padding of this layout."""
-    if tensor.dim() == 0 or tensor.shape[0] == 0:
-        return tensor.numel()
-    rows = tensor.shape[0]
-    return tensor.numel() // rows * placement.real_rows(rows)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanocore.moe_api import moe_layers
+from nanocore.moe_api import MoELayer, moe_layers
 from nanocore.sharding import get_placement, set_placement
 
 EXPERT_ATTR = "_nanocore_expert"
@@ -83,6 +83,20 @@ class ExpertParallel:
         arrived = torch.empty_like(y).index_copy(0, handle.order, y)
         return _AllToAll.apply(arrived, handle.recv, handle.send, self.group)
 
+    def attach(self, model: nn.Module, names: list[str]) -> dict[int, MoELayer]:
+        """Hand each MoE layer of the whole model's `names` that this rank holds the runtime:
+        index among `names` -> the local layer (a pipeline stage holds some of them)."""
+        local = {}
+        for index, name in enumerate(names):
+            try:
+                layer = model.get_submodule(name)
+            except AttributeError:  # on another pipeline stage
+                continue
+            if isinstance(layer, MoELayer):
+                layer.set_runtime(self)
+                local[index] = layer
+        return local
+
     def token_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.token_group is None:
             return t
@@ -117,4 +131,3 @@ def shard_experts(model: nn.Module, ep_size: int, ep_rank: int) -> None:
 
 def is_expert(param: torch.Tensor) -> bool:
     return bool(getattr(param, EXPERT_ATTR, False))
-

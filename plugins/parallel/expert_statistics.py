@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from nanocore.moe_api import MoELayer
 
+from .grid import ParallelContext
+
 
 @attrs.define
 class StepRoutingStatistics:
@@ -31,6 +33,27 @@ class StepRoutingStatistics:
             return torch.zeros(*shape, dtype=torch.float64)
 
         return cls(zero(layers, experts), zero(layers), zero(layers), zero(layers), zero(layers), zero(layers))
+
+    @classmethod
+    def of_step(
+        cls, local: dict[int, MoELayer], layers: int, experts: int, ctx: ParallelContext
+    ) -> StepRoutingStatistics:
+        """What the `layers` MoE layers of the model saw this step, summed over every rank; `local` maps
+        an index among them to this rank's layer."""
+        stats = cls.zeros(layers, experts)
+        keep = ctx.tp_rank == 0 and ctx.cp_rank == 0  # TP and CP ranks hold the same (summed) figures
+        for index, layer in local.items():
+            stats.record(index, layer, keep)
+        if ctx.distributed:
+            stats.all_reduce(ctx.device)
+        return stats
+
+    def update_router_biases(self, local: dict[int, MoELayer]) -> None:
+        """Bias-balanced routers (DeepSeek-V3) follow the step's load: what every rank routed."""
+        for index, layer in local.items():
+            update = getattr(layer, "update_router_bias", None)
+            if update is not None:
+                update(self.tokens_per_expert[index])
 
     def record(self, index: int, layer: MoELayer, keep: bool) -> None:
         """Take what local layer `index` (among the model's MoE layers) saw since the last step; `keep`

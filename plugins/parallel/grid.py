@@ -26,6 +26,7 @@ import gc
 import logging
 import weakref
 from itertools import product
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from nanocore.errors import ConfigError
 from nanocore.launch_env import launch_env
 
 log = logging.getLogger("nanocore")
+T = TypeVar("T")
 
 
 class ParallelContext:
@@ -187,6 +189,34 @@ class ParallelContext:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
+
+    def loss_on_every_rank(self, local_sum: torch.Tensor) -> float:
+        """The loss the last stage (tp rank 0) computed, averaged over DP x CP (each cp rank's is the
+        mean over its equal share of the tokens), on every rank."""
+        if not self.distributed:
+            return float(local_sum)
+        value = local_sum.detach().float().clone()
+        if not (self.is_last_stage and self.tp_rank == 0):
+            value.zero_()
+        value /= self.dcp
+        dist.all_reduce(value)
+        return float(value)
+
+    def all_gather_object(self, obj: T) -> list[T]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list[T | None] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out  # type: ignore[return-value]  # every slot filled
+
+    def all_ranks_ok(self, ok: bool) -> bool:
+        """True on every rank iff `ok` is True on every rank."""
+        if not self.distributed:
+            return ok
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        dist.all_reduce(flag)
+        return float(flag) == 0.0
 
     def barrier(self) -> None:
         if self.distributed:

@@ -11,12 +11,30 @@ Under tensor parallelism the logits stay split over the vocabulary: `vocab_paral
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from nanocore.tp_api import Group
 
 from .tensor_parallel import _size_rank
+
+LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def language_model_loss(tp_group: Group, tp_rank: int, true_vocab_size: int) -> LossFunction:
+    """The engine's loss: (logits, labels) -> mean token loss, on logits split over the vocabulary
+    when `tp_group` spans several ranks, and without the vocabulary's padding columns."""
+    tp, _ = _size_rank(tp_group)
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if tp > 1:
+            vocab_start = tp_rank * logits.shape[-1]
+            return vocab_parallel_cross_entropy(logits, labels, tp_group, vocab_start, true_vocab_size)
+        return cross_entropy(logits[..., :true_vocab_size], labels)
+
+    return loss
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -122,7 +122,9 @@ class PipelineExecutor:
             if params is not None:  # ZeRO-3: this block whole now, the next one on its way
                 params.gather(c, b)
                 params.prefetch(c, b + 1)
-            first_or_last = (stage == 0 and b == 0) or (stage == self.last_stage and b == len(self.chunk_modules[c]) - 1)
+            first_or_last = (stage == 0 and b == 0) or (
+                stage == self.last_stage and b == len(self.chunk_modules[c]) - 1
+            )
             if grad and self.recompute and not first_or_last:
                 x = checkpoint(_apply_block, block, x, use_reentrant=False)
             else:

@@ -86,7 +86,9 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
             model = meta_model(model_entry, config.model, vocab_multiple=config.model.make_vocab_size_divisible_by * tp)
             declared = _activation_elements(model)
             if tp > 1:
-                tp_parallelize(model, model.tp_plan, PlannedGroup(tp, tp_rank), tp_mode, par.tp_linear_async_communication)
+                tp_parallelize(
+                    model, model.tp_plan, PlannedGroup(tp, tp_rank), tp_mode, par.tp_linear_async_communication
+                )
             local_chunks, _ = keep_rank_part(model, pp, pp_rank, par.pp_virtual_stages, ep, 0)
             params = {id(p): p for p in model.parameters()}.values()
             param_bytes = sum(p.numel() for p in params) * dtype_bytes
@@ -117,7 +119,15 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
             activations, loss_working = None, 0.0
             if declared is not None:
                 activations, loss_working = _activations(
-                    declared, local_chunks, model, par, tp, sequence_parallel, in_flight[pp_rank], mb_tokens, dtype_bytes
+                    declared,
+                    local_chunks,
+                    model,
+                    par,
+                    tp,
+                    sequence_parallel,
+                    in_flight[pp_rank],
+                    mb_tokens,
+                    dtype_bytes,
                 )
             # ZeRO-2: two buckets of staging (one reducing, one filling; a parameter larger than a bucket is
             # a bucket of its own) and the reduced share of one. They fill as backward frees activations,

@@ -1,6 +1,7 @@
 """The core's modules import each other without cycles (top-level, deferred and `TYPE_CHECKING`
 imports alike: an import kept for annotations is still a dependency of meaning), and the core never
-imports a built-in plugin: it stays readable from the bottom up (docs/code_map.md)."""
+imports a built-in plugin, nor one built-in plugin another: it stays readable from the bottom up
+(docs/code_map.md). The one test of the core/plugins boundary."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import ast
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parents[2] / "nanocore"
+PLUGINS = CORE.parent / "plugins"
 
 
 def module_name(path: Path) -> str:
@@ -54,14 +56,36 @@ def test_no_import_cycles_in_the_core():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def imported_names(path: Path) -> list[str]:
+    """Every module `path` names in an import, and every string constant (importlib.import_module("..."))."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value:
+            names.append(node.value)
+    return names
+
+
 def test_the_core_never_imports_a_builtin_plugin():
-    for path in CORE.rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            assert not any(n.startswith("nanocore_plugins") for n in names), f"{path} imports {names}"
+    offenders = [
+        f"{path.relative_to(CORE.parent)}: {name}"
+        for path in sorted(CORE.rglob("*.py"))
+        for name in imported_names(path)
+        if name.split(".")[0] == "nanocore_plugins"
+    ]
+    assert offenders == []
+
+
+def test_no_builtin_plugin_imports_another():
+    """A plugin needs something of another? The core's contract grows (GUIDE: small core)."""
+    offenders = []
+    for folder in sorted(p for p in PLUGINS.iterdir() if (p / "__init__.py").is_file()):
+        for path in sorted(folder.rglob("*.py")):
+            for name in imported_names(path):
+                parts = name.split(".")
+                if parts[0] == "nanocore_plugins" and len(parts) > 1 and parts[1] != folder.name:
+                    offenders.append(f"{path.relative_to(PLUGINS.parent)}: {name}")
+    assert offenders == []

@@ -4,7 +4,6 @@ clear message naming the plugin."""
 
 from __future__ import annotations
 
-import ast
 import csv
 import importlib
 import importlib.metadata
@@ -19,7 +18,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-import nanocore
 from nanocore.commands.cli import run as cli_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -325,18 +323,3 @@ def test_core_imports_and_fails_clearly_without_builtin_plugins(tmp_path):
     assert set(report["sizes"].values()) == {0}
     assert report["code"] == 2
     assert "model.model_config.model_type: no plugin provides model 'llama'" in error_message(result.stderr)
-
-
-def test_no_core_module_imports_the_builtin_plugins():
-    offenders = []
-    for path in sorted(Path(nanocore.__file__).parent.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            modules = []
-            if isinstance(node, ast.Import):
-                modules = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                modules = [node.module]
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                modules = [node.value]  # importlib.import_module("nanocore_plugins....")
-            offenders += [f"{path}: {m}" for m in modules if m.split(".")[0] == "nanocore_plugins"]
-    assert offenders == []

@@ -96,7 +96,11 @@ def multi_rank(args) -> dict:
     cmd = ["torchrun", f"--nproc_per_node={n}", str(ROOT / "run_train.py"), "--config-file", str(tmp / "c.yaml")]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    rows = [json.loads(line) for line in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()] if done.returncode == 0 else []
+    rows = (
+        [json.loads(line) for line in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]
+        if done.returncode == 0
+        else []
+    )
     return {
         "run": f"{n} GPUs {par}",
         "returncode": done.returncode,

@@ -219,7 +219,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{s} {rates[s]:7.0f} tok/s" for s in SIDES), flush=True)
             gc.collect()
     median = {side: tokens_per_step / statistics.median(wall[side]) for side in SIDES}
-    ratios = {"moe_over_dense": median["moe"] / median["dense"], "moe_over_hf_mixtral": median["moe"] / median["hf_mixtral"]}
+    ratios = {
+        "moe_over_dense": median["moe"] / median["dense"],
+        "moe_over_hf_mixtral": median["moe"] / median["hf_mixtral"],
+    }
     print()
     for side in SIDES:
         flops = info[side].get("flops_per_token")

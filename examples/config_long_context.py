@@ -51,7 +51,9 @@ def build_long_context_config() -> Config:
             limit_val_batches=4,
             document_masking=True,
         ),
-        checkpoints=attrs.evolve(tiny.checkpoints, checkpoints_path="checkpoints/long_context", checkpoint_interval=100),
+        checkpoints=attrs.evolve(
+            tiny.checkpoints, checkpoints_path="checkpoints/long_context", checkpoint_interval=100
+        ),
         logging=attrs.evolve(tiny.logging, log_dir="logs/long_context"),
     )
 

@@ -137,7 +137,9 @@ class PluginSet:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
             self.pm.unregister(name=name)
-            raise PluginError(f"plugin {name!r} ({info.location}): {exc}. Known hooks: {', '.join(hook_names())}") from exc
+            raise PluginError(
+                f"plugin {name!r} ({info.location}): {exc}. Known hooks: {', '.join(hook_names())}"
+            ) from exc
         info.hooks = sorted(impl.name for impl in self.pm.get_hookcallers(plugin) or [])
         self.infos[name] = info
         self._registries = None

@@ -161,7 +161,9 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
         {
             "check": _CHECK,
             "hf_architectures": Extra((tuple, list), "transformers architecture names this model reads and writes"),
-            "from_hf": Extra(_FUNCTION, "fn(hf_config: dict, state) -> (model_config, state): weights from transformers"),
+            "from_hf": Extra(
+                _FUNCTION, "fn(hf_config: dict, state) -> (model_config, state): weights from transformers"
+            ),
             "to_hf": Extra(_FUNCTION, "fn(model_config, state) -> (hf_config: dict, state): weights to transformers"),
             "from_hf_selects_only": Extra(bool, "from_hf only renames and drops tensors, so they can be read lazily"),
         },
@@ -172,7 +174,9 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
         {
             "check": _CHECK,
             "check_model": Extra(_FUNCTION, "fn(config, model_entry) -> list[str]: checks that need the model"),
-            "plan": Extra(_FUNCTION, "fn(config, registries, device) -> MemoryPlan (nanocore.engine_api): bytes per rank"),
+            "plan": Extra(
+                _FUNCTION, "fn(config, registries, device) -> MemoryPlan (nanocore.engine_api): bytes per rank"
+            ),
         },
     ),
     "pipeline_schedule": RegistryKind(
@@ -181,16 +185,15 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
         {"check": _CHECK},
         deprecated_hooks=("register_pipeline_engines",),
     ),
-    "tp_mode": RegistryKind(
-        "register_tp_modes", "factory() -> TPMode (nanocore.tp_api)", {"check": _CHECK}
-    ),
+    "tp_mode": RegistryKind("register_tp_modes", "factory() -> TPMode (nanocore.tp_api)", {"check": _CHECK}),
     "optimizer": RegistryKind(
         "register_optimizers",
         "factory(param_groups, args, *, lr, weight_decay, device) -> torch.optim.Optimizer",
         {
             "check": _CHECK,
             "states_per_element": Extra(_FUNCTION, "fn(args) -> int: optimizer state tensors per parameter element"),
-            "step_temporaries_per_element": Extra(_FUNCTION, "fn(args) -> int: temporary copies per element while the optimizer steps (planner)"
+            "step_temporaries_per_element": Extra(
+                _FUNCTION, "fn(args) -> int: temporary copies per element while the optimizer steps (planner)"
             ),
         },
     ),
@@ -203,7 +206,9 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
         "register_zero_stages",
         "factory(params: list[TrainableParam], build_optimizer, dp) -> ZeroOptimizer (nanocore.engine_api)",
         {
-            "shards_optimizer_state": Extra(bool, "optimizer state and master weights kept as rows per data-parallel rank"),
+            "shards_optimizer_state": Extra(
+                bool, "optimizer state and master weights kept as rows per data-parallel rank"
+            ),
             "shards_gradients": Extra(bool, "gradients reduce-scattered during backward, each rank keeps its rows"),
             "shards_parameters": Extra(bool, "parameters kept as rows at rest, each block gathered around its use"),
             "exchange_buffer_bytes": Extra(int, "bytes of the piece in which updated rows are exchanged (planner)"),

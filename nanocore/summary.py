@@ -114,7 +114,9 @@ def _stage_lines(run: RunFacts) -> list[str]:
             continue
         steps = last - first + 1
         formats = ", ".join(spec.format for spec in stage.data.dataset)
-        line = f"stage {stage.name!r}: steps {first}-{last} ({_count(steps * run.tokens_per_step)} tokens) from {formats}"
+        line = (
+            f"stage {stage.name!r}: steps {first}-{last} ({_count(steps * run.tokens_per_step)} tokens) from {formats}"
+        )
         if i == current:
             mixture = run.data.mixture(i)
             samples = sum(source.size for source in mixture.sources)

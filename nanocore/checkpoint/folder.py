@@ -119,7 +119,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return folder
     if not path.exists():
         raise NanocoreError(f"checkpoint path {str(path)!r} does not exist")
-    raise NanocoreError(f"{str(path)!r} is neither a checkpoint step folder (no meta.json) nor a checkpoints folder (no {LATEST})")
+    raise NanocoreError(
+        f"{str(path)!r} is neither a checkpoint step folder (no meta.json) nor a checkpoints folder (no {LATEST})"
+    )
 
 
 # -- saving ------------------------------------------------------------------------------------

@@ -81,7 +81,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                 for i in infos
             ],
             "registries": {
-                kind: {e.name: {"plugin": e.plugin, "aliases": [a for a, t in reg.aliases().items() if t == e.name]} for e in reg}
+                kind: {
+                    e.name: {"plugin": e.plugin, "aliases": [a for a, t in reg.aliases().items() if t == e.name]}
+                    for e in reg
+                }
                 for kind, reg in registries.by_kind.items()
             },
         }
@@ -106,7 +109,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanocore", description="nanocore: plugin-based LLM pretraining (dp, cp, tp, pp, ep parallel)")
+    parser = argparse.ArgumentParser(
+        prog="nanocore", description="nanocore: plugin-based LLM pretraining (dp, cp, tp, pp, ep parallel)"
+    )
     parser.add_argument("--version", action="version", version=f"nanocore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plugins", help="list plugins and every registry's names")
@@ -119,8 +124,12 @@ def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
     )
     p.add_argument("config")
     add_plugin_argument(p)
-    p.add_argument("--world-size", type=int, default=None, help="also check dp x cp x tp x pp against this many processes")
-    p.add_argument("--skip-data", action="store_true", help="do not build the datasets (the tokenizer is still checked)")
+    p.add_argument(
+        "--world-size", type=int, default=None, help="also check dp x cp x tp x pp against this many processes"
+    )
+    p.add_argument(
+        "--skip-data", action="store_true", help="do not build the datasets (the tokenizer is still checked)"
+    )
     add_overrides_argument(p)
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("plan", help=plan.HELP)

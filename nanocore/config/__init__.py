@@ -20,7 +20,23 @@ from nanocore.config.schema import (
 )
 
 __all__ = [
-    "CheckpointsArgs", "Config", "DataArgs", "DatasetSpec", "DatasetStageArgs", "GeneralArgs", "LoggerSpec",
-    "LoggingArgs", "LRSchedulerArgs", "ModelArgs", "OptimizerArgs", "OptimizerFactory", "ParallelismArgs",
-    "TokenizerArgs", "TokensArgs", "dump_yaml", "read_yaml", "structure_config", "unstructure_config",
+    "CheckpointsArgs",
+    "Config",
+    "DataArgs",
+    "DatasetSpec",
+    "DatasetStageArgs",
+    "GeneralArgs",
+    "LoggerSpec",
+    "LoggingArgs",
+    "LRSchedulerArgs",
+    "ModelArgs",
+    "OptimizerArgs",
+    "OptimizerFactory",
+    "ParallelismArgs",
+    "TokenizerArgs",
+    "TokensArgs",
+    "dump_yaml",
+    "read_yaml",
+    "structure_config",
+    "unstructure_config",
 ]

@@ -71,7 +71,9 @@ IGNORED: dict[str, dict[str, Ignored]] = {
             "again in backward, the plain ones keep it",
             quiet=NO_QUIET_VALUE,
         ),
-        "moe_layer_recompute": Ignored("MoE layers are recomputed with their decoder layer (recompute_layer)", quiet=(False,)),
+        "moe_layer_recompute": Ignored(
+            "MoE layers are recomputed with their decoder layer (recompute_layer)", quiet=(False,)
+        ),
     },
     "model.init_method": {
         "use_mup": Ignored(

@@ -64,7 +64,9 @@ class ParallelismArgs:
     pp: int = doc("Pipeline stages.", default=1)
     pp_engine: str = doc("Pipeline schedule plugin: afab, 1f1b, interleaved, ...", default="1f1b")
     pp_virtual_stages: int = doc("Model chunks per pipeline rank (interleaved schedules).", default=1)
-    tp_mode: str = doc("Tensor-parallel mode plugin: ALL_REDUCE or REDUCE_SCATTER (sequence parallel).", default="ALL_REDUCE")
+    tp_mode: str = doc(
+        "Tensor-parallel mode plugin: ALL_REDUCE or REDUCE_SCATTER (sequence parallel).", default="ALL_REDUCE"
+    )
     tp_linear_async_communication: bool = doc("Overlap TP communication with the matmul.", default=False)
     expert_parallel_size: int = doc(
         "Ranks the experts of a mixture-of-experts model are split over, taken from dp x cp (must divide it).",
@@ -102,7 +104,9 @@ class InitMethod:
     """How weights start: random normal with `std`, or loaded from `path` (a checkpoint or model folder)."""
 
     std: float = doc("Standard deviation of the normal initialisation.", default=0.02)
-    scaling_method: str = doc("nanotron compatibility: NUM_LAYERS scales output projections by 1/sqrt(2L).", default="NUM_LAYERS")
+    scaling_method: str = doc(
+        "nanotron compatibility: NUM_LAYERS scales output projections by 1/sqrt(2L).", default="NUM_LAYERS"
+    )
     path: str | None = doc("Start from these weights instead of random ones.", default=None)
 
 
@@ -113,7 +117,9 @@ class ModelArgs:
     model_config: Any = doc("Model plugin's config; `model_type` selects the plugin (nanotron: is_llama_config).")
     model_type: str = doc("Filled from model_config.model_type.", default="llama")
     init_method: InitMethod = doc("Weight initialisation.", factory=InitMethod)
-    dtype: str = doc("Parameter dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16 or float32.", default="auto")
+    dtype: str = doc(
+        "Parameter dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16 or float32.", default="auto"
+    )
     make_vocab_size_divisible_by: int = doc("Pad the vocabulary to a multiple of this times tp.", default=1)
     ddp_bucket_cap_mb: int = doc("Gradient bucket size for data-parallel reduction.", default=25)
 
@@ -122,8 +128,12 @@ class ModelArgs:
 class TokenizerArgs:
     """The tokenizer: a registered name (`byte`) or a local tokenizer.json / tokenizer folder."""
 
-    tokenizer_name_or_path: str | None = doc("`byte`, or a path to tokenizer.json or a tokenizer folder.", default="byte")
-    tokenizer_type: str | None = doc("Force a tokenizer plugin; default: the name if registered, else `hf`.", default=None)
+    tokenizer_name_or_path: str | None = doc(
+        "`byte`, or a path to tokenizer.json or a tokenizer folder.", default="byte"
+    )
+    tokenizer_type: str | None = doc(
+        "Force a tokenizer plugin; default: the name if registered, else `hf`.", default=None
+    )
 
 
 @attrs.define
@@ -202,7 +212,9 @@ class DataArgs:
         "One dataset, a list (a weighted mixture), or null (the default) for random tokens.",
         factory=lambda: [DatasetSpec("dummy")],
     )
-    validation_dataset: list[DatasetSpec] | None = doc("Data for validation passes (same forms as dataset).", default=None)
+    validation_dataset: list[DatasetSpec] | None = doc(
+        "Data for validation passes (same forms as dataset).", default=None
+    )
     seed: int | None = doc("Data order seed; default general.seed.", default=None)
 
 
@@ -248,7 +260,9 @@ class Config:
     tokenizer: TokenizerArgs = doc("Tokenizer.", factory=TokenizerArgs)
     tokens: TokensArgs = doc("Batch geometry.", factory=TokensArgs)
     optimizer: OptimizerArgs = doc("Optimizer.", factory=OptimizerArgs)
-    data_stages: list[DatasetStageArgs] = doc("Data stages, ordered by start_training_step.", factory=lambda: [DatasetStageArgs()])
+    data_stages: list[DatasetStageArgs] = doc(
+        "Data stages, ordered by start_training_step.", factory=lambda: [DatasetStageArgs()]
+    )
     logging: LoggingArgs = doc("Logging.", factory=LoggingArgs)
     plugins: list[str] = doc("Local plugin files or modules, relative to this YAML file.", factory=list)
 

@@ -52,9 +52,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "router_aux_loss_coef": 0.001,
 }
 # Copied one to one between config.json and MixtralConfig.
-SAME_FIELDS = [
-    k for k in HF_DEFAULTS if k not in ("num_key_value_heads", "bos_token_id", "eos_token_id", "rope_theta")
-]
+SAME_FIELDS = [k for k in HF_DEFAULTS if k not in ("num_key_value_heads", "bos_token_id", "eos_token_id", "rope_theta")]
 Z_LOSS_KEY = "router_z_loss_coef"  # nanocore's, kept by transformers as an unknown attribute
 
 CLASSIC_EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")

@@ -68,7 +68,14 @@ class ConsoleLogger:
             self._write(f"step {step}/{self.total_steps} | {format_row(metrics)} | {self._timing(step)}")
 
     def _postfix(self, metrics: dict[str, Any]) -> str:
-        shown = (("lm_loss", "loss"), ("moe_aux_loss", "aux"), ("moe_max_load", "max_load"), ("lr", "lr"), ("tokens_per_sec", "tok/s"), ("mfu", "mfu"))
+        shown = (
+            ("lm_loss", "loss"),
+            ("moe_aux_loss", "aux"),
+            ("moe_max_load", "max_load"),
+            ("lr", "lr"),
+            ("tokens_per_sec", "tok/s"),
+            ("mfu", "mfu"),
+        )
         parts = []
         for name, label in shown:
             value = numeric(metrics.get(name))

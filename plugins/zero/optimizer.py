@@ -91,7 +91,9 @@ class ZeroOptimizer:
                 by_group.setdefault((id(group), t.param.dtype), []).append(t)
             if t.grad_rows is not None:
                 if not sharded:
-                    raise PluginError("a replicated ZeRO stage got reduce-scattered gradients (TrainableParam.grad_rows)")
+                    raise PluginError(
+                        "a replicated ZeRO stage got reduce-scattered gradients (TrainableParam.grad_rows)"
+                    )
                 start, length = t.grad_rows
                 shape = t.shape
                 if (start, length) != row_share(shape, group.size, group.rank):

@@ -26,7 +26,9 @@ def test_3d_example_trains_on_eight_cpu_processes(tmp_path):
     # --standalone: the rendezvous takes a port the OS gives, not the fixed 29500 a second launch would also want
     result = torchrun(["--config-file", str(examples / "config.yaml")], tmp_path, nproc=8, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "logs" / "tiny_llama_3d" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "logs" / "tiny_llama_3d" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows if "lm_loss" in r] == [1, 2, 3]
     assert any("val_lm_loss" in r for r in rows)
     assert (tmp_path / "checkpoints" / "tiny_llama_3d" / "3" / "model").is_dir()

@@ -65,7 +65,9 @@ def test_resume_from_a_step_folder_without_optimizer_state_differs(tmp_path):
     """load_optimizer: false really skips the optimizer state (so the default really restores it)."""
     full = run_training(two_stage_config(tmp_path / "full"))
     config = two_stage_config(tmp_path / "full")
-    config["checkpoints"].update(resume_checkpoint_path=str(tmp_path / "full" / "checkpoints" / "4"), load_optimizer=False)
+    config["checkpoints"].update(
+        resume_checkpoint_path=str(tmp_path / "full" / "checkpoints" / "4"), load_optimizer=False
+    )
     config["checkpoints"]["checkpoints_path"] = str(tmp_path / "other")
     resumed = run_training(config)
     assert resumed["losses"][0] == full["losses"][4]  # same weights and data at step 5's forward

@@ -64,9 +64,7 @@ def test_resume_at_another_layout_continues_the_loss_curve(case, tmp_path, tmp_p
     saved = run_training(config(tmp_path / "before", before), world(before))
     ckpt = tmp_path / "before" / "checkpoints" / "5"
     assert (ckpt / "meta.json").exists()
-    resumed = run_training(
-        config(tmp_path / "after", after, resume_checkpoint_path=str(ckpt)), world(after)
-    )
+    resumed = run_training(config(tmp_path / "after", after, resume_checkpoint_path=str(ckpt)), world(after))
     assert len(resumed["losses"]) == 5, "the resumed run continues at step 6 (step and data position restored)"
     diffs = [rel_diff(a, b) for a, b in zip(resumed["losses"], ref["losses"][5:], strict=True)]
     assert max(diffs) <= RTOL, f"{case}: relative loss differences after resume {diffs}"
@@ -83,7 +81,12 @@ def test_resume_across_zero_stages_and_sizes(first_stage, tmp_path, tmp_path_fac
     ref = reference(tmp_path_factory)
     first = run_training(config(tmp_path / "a", layout(dp=4, zero=first_stage), checkpoint_interval=3), 4)
     second = run_training(
-        config(tmp_path / "b", layout(dp=2, zero=1), checkpoint_interval=3, resume_checkpoint_path=str(tmp_path / "a" / "checkpoints" / "3")),
+        config(
+            tmp_path / "b",
+            layout(dp=2, zero=1),
+            checkpoint_interval=3,
+            resume_checkpoint_path=str(tmp_path / "a" / "checkpoints" / "3"),
+        ),
         2,
     )
     third = run_training(

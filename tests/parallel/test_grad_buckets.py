@@ -19,7 +19,11 @@ def _body(rank: int, world_size: int) -> dict:
     params = list(layers.parameters())
     # 8x8 fp32 = 256 bytes per parameter: buckets of 2 parameters
     buffers = GradBuffers(
-        [params], dtype=torch.float32, device=torch.device("cpu"), bucket_bytes=512, dp_size=world_size,
+        [params],
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        bucket_bytes=512,
+        dp_size=world_size,
         replica_group=lambda p: (None, world_size),
     )
     launched: list[int] = []  # how many backward hooks had run when each all-reduce started

@@ -80,7 +80,9 @@ def test_plan_matches_what_a_run_holds(name, tmp_path, registries, monkeypatch):
         assert 0 <= engine["grads_bytes"] - plan["grads_bytes"] <= 0.01 * plan["grads_bytes"]
         measured = max(row["peak_memory_mb"] for row in result["metrics"]) * 2**20
         ratio = measured / plan["total_bytes"]
-        assert abs(ratio - 1) <= PLAN_RTOL, f"rank {rank}: measured {measured / 2**20:.0f} MiB, planned {plan['total_bytes'] / 2**20:.0f} MiB"
+        assert abs(ratio - 1) <= PLAN_RTOL, (
+            f"rank {rank}: measured {measured / 2**20:.0f} MiB, planned {plan['total_bytes'] / 2**20:.0f} MiB"
+        )
 
 
 def test_plan_command_prints_json_and_says_what_fits(tmp_path, capsys):
@@ -88,7 +90,9 @@ def test_plan_command_prints_json_and_says_what_fits(tmp_path, capsys):
     import yaml
 
     path.write_text(yaml.safe_dump(config_56m(tmp_path, {"dp": 2}, {"zero_stage": 1})))
-    assert cli_run(["plan", str(path), "tokens.micro_batch_size=1", "--json", "--device", "cpu", "--world-size", "2"]) == 0
+    assert (
+        cli_run(["plan", str(path), "tokens.micro_batch_size=1", "--json", "--device", "cpu", "--world-size", "2"]) == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["world_size"] == 2 and len(result["ranks"]) == 1  # the two dp replicas hold the same
     rank = result["ranks"][0]

@@ -45,7 +45,9 @@ def test_resume_at_another_expert_layout(case, tmp_path, tmp_path_factory):
     experts = saved["weights"]["model.layers.0.mlp.experts.gate_up_proj"]
     assert experts.shape[0] == TINY_MIXTRAL["num_local_experts"], "expert weights are saved whole, in place"
     ckpt = tmp_path / "before" / "checkpoints" / "5"
-    resumed = run_training(config(tmp_path / "after", after, zero_after, resume_checkpoint_path=str(ckpt)), world(after))
+    resumed = run_training(
+        config(tmp_path / "after", after, zero_after, resume_checkpoint_path=str(ckpt)), world(after)
+    )
     assert len(resumed["losses"]) == 5
     diffs = [rel_diff(a, b) for a, b in zip(resumed["losses"], ref["losses"][5:], strict=True)]
     assert max(diffs) <= RTOL, f"{case}: relative loss differences after resume {diffs}"

@@ -67,6 +67,7 @@ LAYOUTS = {
     ),
 }
 
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, tmp_path, tmp_path_factory):
     par, extra = LAYOUTS[name]
@@ -104,7 +105,9 @@ def test_zero_stages_shard_state_gradients_and_parameters(tmp_path):
     tokens = {"batch_accumulation_per_replica": 1, "train_steps": 1}
     runs = {
         stage: run_training(
-            tiny_config(tmp_path / f"z{stage}", parallelism=layout(dp=4), tokens=tokens, optimizer={"zero_stage": stage}),
+            tiny_config(
+                tmp_path / f"z{stage}", parallelism=layout(dp=4), tokens=tokens, optimizer={"zero_stage": stage}
+            ),
             4,
         )
         for stage in (0, 1, 2, 3)

@@ -302,7 +302,9 @@ def test_a_full_disk_is_one_message_and_leaves_the_last_checkpoint(tmp_path):
 def test_a_folder_under_a_file_is_one_message(tmp_path):
     (tmp_path / "file").write_text("")
     root = tmp_path / "file" / "checkpoints"
-    with pytest.raises(CheckpointError, match=f"could not save the checkpoint of step 1 in {re.escape(str(root))}: .*Not a directory"):
+    with pytest.raises(
+        CheckpointError, match=f"could not save the checkpoint of step 1 in {re.escape(str(root))}: .*Not a directory"
+    ):
         save(root, 1)
 
 

@@ -107,7 +107,11 @@ MISTAKES = {
     ),
     "unknown pp_engine": (
         {"parallelism": {"pp_engine": "1f1c"}},
-        ["parallelism.pp_engine: unknown pipeline schedule '1f1c' (did you mean '1f1b'?); installed: ", "afab", "interleaved"],
+        [
+            "parallelism.pp_engine: unknown pipeline schedule '1f1c' (did you mean '1f1b'?); installed: ",
+            "afab",
+            "interleaved",
+        ],
     ),
     "unknown tp_mode": (
         {"parallelism": {"tp_mode": "ALLREDUCE"}},

@@ -147,7 +147,10 @@ def test_classic_and_fused_names_give_the_same_tensors():
     classic = {"model.layers.0.block_sparse_moe.gate.weight": torch.randn(3, 32), "model.norm.weight": torch.ones(32)}
     for j in range(3):
         classic.update(
-            {f"model.layers.0.block_sparse_moe.experts.{j}.{n}.weight": t[j] for n, t in zip(("w1", "w2", "w3"), (w1, w2, w3), strict=True)}
+            {
+                f"model.layers.0.block_sparse_moe.experts.{j}.{n}.weight": t[j]
+                for n, t in zip(("w1", "w2", "w3"), (w1, w2, w3), strict=True)
+            }
         )
     fused = mixtral_hf.fuse_classic_experts(classic)
     assert sorted(fused) == [

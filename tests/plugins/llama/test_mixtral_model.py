@@ -316,7 +316,13 @@ def test_greedy_generation_with_cache_equals_without():
 def test_forward_equals_the_chain_of_pipeline_blocks():
     model = make(tiny(num_hidden_layers=3))
     blocks = model.pipeline_blocks()
-    assert blocks == [["model.embed_tokens"], ["model.layers.0"], ["model.layers.1"], ["model.layers.2"], ["model.norm", "lm_head"]]
+    assert blocks == [
+        ["model.embed_tokens"],
+        ["model.layers.0"],
+        ["model.layers.1"],
+        ["model.layers.2"],
+        ["model.norm", "lm_head"],
+    ]
     x = tokens = ids()
     with torch.no_grad():
         for block in blocks:

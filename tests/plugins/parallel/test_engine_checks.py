@@ -119,7 +119,9 @@ def test_unknown_schedule_and_tp_mode_list_installed(registries, tmp_path):
 
 def test_context_parallel_needs_a_sequence_that_splits_into_2cp_chunks(registries, tmp_path):
     message = problems(registries, tmp_path, parallelism={"context_parallel_size": 3}, world_size=3)
-    assert "tokens.sequence_length: context parallelism cuts each sequence into 2 x context_parallel_size = 6" in message
+    assert (
+        "tokens.sequence_length: context parallelism cuts each sequence into 2 x context_parallel_size = 6" in message
+    )
     assert "got 16" in message
 
 
@@ -174,7 +176,9 @@ def test_context_parallel_and_document_masking_need_a_model_that_declares_them(r
 
 def test_document_masking_needs_a_tokenizer(registries, tmp_path):
     message = problems(registries, tmp_path, tokens={"document_masking": True})
-    assert "tokens.document_masking: documents end with the tokenizer's eos_token_id, but there is no tokenizer" in message
+    assert (
+        "tokens.document_masking: documents end with the tokenizer's eos_token_id, but there is no tokenizer" in message
+    )
 
 
 def test_a_tp_mode_must_implement_the_core_contract(tmp_path):

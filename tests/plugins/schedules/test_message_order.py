@@ -8,8 +8,16 @@ import pytest
 from nanocore.plugins import load_plugins
 from tests.helpers.schedules import message_orders
 
-LAYOUTS = [("afab", 2, 4, 1), ("afab", 4, 6, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1),
-           ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 3)]
+LAYOUTS = [
+    ("afab", 2, 4, 1),
+    ("afab", 4, 6, 1),
+    ("1f1b", 2, 4, 1),
+    ("1f1b", 4, 8, 1),
+    ("1f1b", 4, 2, 1),
+    ("interleaved", 2, 4, 2),
+    ("interleaved", 4, 8, 2),
+    ("interleaved", 2, 6, 3),
+]
 
 
 @pytest.mark.parametrize("name,pp,m,v", LAYOUTS)
@@ -18,4 +26,6 @@ def test_each_direction_is_received_in_the_order_it_is_sent(name, pp, m, v):
     sent, received = message_orders(schedule, pp, m, v)
     assert sent.keys() == received.keys()
     for key in sent:
-        assert sent[key] == received[key], f"{name} pp={pp} m={m} v={v}: {key} sent {sent[key]} received {received[key]}"
+        assert sent[key] == received[key], (
+            f"{name} pp={pp} m={m} v={v}: {key} sent {sent[key]} received {received[key]}"
+        )

@@ -95,7 +95,7 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
                 activation_kb.append(step_peak - base)
                 seconds.append(elapsed)
         estimate = trainer.engine.memory_estimate()
-        ctx = trainer.engine.ctx
+        ctx = trainer.engine.grid
         mine = attrs.asdict(next(r for r in planned.ranks if (r.pp_rank, r.tp_rank) == (ctx.pp_rank, ctx.tp_rank)))
     finally:
         trainer.close()

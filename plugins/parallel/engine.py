@@ -35,7 +35,7 @@ from .data_parallel_zero3 import ShardedParameters
 from .expert_parallel import ExpertParallel, is_expert
 from .expert_statistics import StepRoutingStatistics
 from .grad_norm import global_grad_norm
-from .grid import ParallelContext
+from .grid import ProcessGrid
 from .loss import language_model_loss
 from .pipeline_parallel import PipelineExecutor
 from .recompute import recompute_selected
@@ -61,16 +61,16 @@ class ParallelEngine:
     def __init__(self, config: Config, registries: Registries):
         self.config = config
         par = config.parallelism
-        self.ctx = ctx = ParallelContext(par)
-        self.rank, self.world_size, self.device = ctx.rank, ctx.world_size, ctx.device
-        self.dp_rank, self.dp_size, self.is_main = ctx.dp_rank, ctx.dp, ctx.rank == 0
+        self.grid = grid = ProcessGrid(par)
+        self.rank, self.world_size, self.device = grid.rank, grid.world_size, grid.device
+        self.dp_rank, self.dp_size, self.is_main = grid.dp_rank, grid.dp, grid.rank == 0
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.schedule = registries.pipeline_schedule.get(par.pp_engine).factory(config)
         # a mode that does not implement TPMode is refused when the config is checked (nanocore.config.checks)
         self.tp_mode: TPMode | None = registries.tp_mode.get(par.tp_mode).factory() if par.tp > 1 else None
         # the ranks holding the same weights: data x context parallel, or expert-data-parallel for experts
-        self.dcp = ReplicaGroup(ctx.dcp_group, ctx.dcp_rank, ctx.dcp)
-        self.edp = ReplicaGroup(ctx.edp_group, ctx.edp_rank, ctx.edp)
+        self.dcp = ReplicaGroup(grid.dcp_group, grid.dcp_rank, grid.dcp)
+        self.edp = ReplicaGroup(grid.edp_group, grid.edp_rank, grid.edp)
         strategy = data_parallel_for(registries.zero_stage.get(str(config.optimizer.zero_stage)))
         grad_dtype = torch.float32 if config.optimizer.accumulate_grad_in_fp32 else self.dtype
         bucket_bytes = config.model.ddp_bucket_cap_mb * 2**20
@@ -79,8 +79,8 @@ class ParallelEngine:
         )
         # the ranks holding other tokens of a micro-batch: its cp chunks, and its tp shards under sequence parallelism
         sequence_parallel = self.tp_mode is not None and self.tp_mode.sequence_parallel
-        token_group = ctx.cp_tp_group if sequence_parallel else ctx.cp_group  # (tp group, None) at cp = 1
-        self.experts = ExpertParallel(ctx.ep_group, ctx.ep, ctx.ep_rank, token_group=token_group)
+        token_group = grid.cp_tp_group if sequence_parallel else grid.cp_group  # (tp group, None) at cp = 1
+        self.experts = ExpertParallel(grid.ep_group, grid.ep, grid.ep_rank, token_group=token_group)
         self.document_separator: int | None = None
         # set by setup_model / setup_optimizer
         self.local: LocalModel | None = None
@@ -106,20 +106,20 @@ class ParallelEngine:
         self.document_separator = token_id
 
     def setup_model(self, entry: Entry, model_args: Any, seed: int) -> None:
-        ctx, par = self.ctx, self.config.parallelism
-        model = meta_model(entry, model_args, vocab_multiple=model_args.make_vocab_size_divisible_by * ctx.tp)
-        if ctx.tp > 1:
-            tp_parallelize(model, model.tp_plan, ctx.tp_group, self.tp_mode, par.tp_linear_async_communication)
+        grid, par = self.grid, self.config.parallelism
+        model = meta_model(entry, model_args, vocab_multiple=model_args.make_vocab_size_divisible_by * grid.tp)
+        if grid.tp > 1:
+            tp_parallelize(model, model.tp_plan, grid.tp_group, self.tp_mode, par.tp_linear_async_communication)
         local = self.local = build_local_model(
             model,
             seed=seed,
             device=self.device,
             dtype=self.dtype,
-            pp_size=ctx.pp,
-            pp_rank=ctx.pp_rank,
+            pp_size=grid.pp,
+            pp_rank=grid.pp_rank,
             virtual_stages=par.pp_virtual_stages,
-            ep_size=ctx.ep,
-            ep_rank=ctx.ep_rank,
+            ep_size=grid.ep,
+            ep_rank=grid.ep_rank,
             rows_of=self.data_parallel.rows_at_rest,
         )
         self.model, self.true_vocab_size = local.module, local.true_vocab_size
@@ -129,15 +129,15 @@ class ParallelEngine:
         self.moe_local = self.experts.attach(self.model, local.moe_layers)
         with torch.device("meta"):
             self.flops_model = entry.factory(model_args, vocab_multiple=model_args.make_vocab_size_divisible_by)
-        self.tied_split = tied_across_stages(self.model, ctx.pp)
+        self.tied_split = tied_across_stages(self.model, grid.pp)
         modules = chunk_modules(local)
         self.data_parallel.build(chunk_parameters(local), modules)
         self.executor = PipelineExecutor(
-            ctx,
+            grid,
             local,
             modules,
             self.schedule,
-            language_model_loss(ctx.tp_group, ctx.tp_rank, self.true_vocab_size),
+            language_model_loss(grid.tp_group, grid.tp_rank, self.true_vocab_size),
             dtype=self.dtype,
             recompute=par.recompute == "full",
             gradients=self.data_parallel,
@@ -148,13 +148,13 @@ class ParallelEngine:
     def _setup_sequence(self) -> None:
         """Context parallelism and document masking: hand the model the ring-attention runtime (whether
         the model declares them is checked with the config: `plugin.check_blocks`)."""
-        ctx, masking = self.ctx, self.config.tokens.document_masking
-        if ctx.cp == 1 and not masking:
+        grid, masking = self.grid, self.config.tokens.document_masking
+        if grid.cp == 1 and not masking:
             return
         if masking and self.document_separator is None:
             raise PluginError("tokens.document_masking needs the end-of-document token id (set_document_separator)")
         separator = self.document_separator if masking else None
-        self.sequence = ContextParallel(ctx.cp_group, ctx.cp, ctx.cp_rank, ctx.cp_group_ranks, separator)
+        self.sequence = ContextParallel(grid.cp_group, grid.cp, grid.cp_rank, grid.cp_group_ranks, separator)
         self._model().set_sequence_runtime(self.sequence)
 
     def _model(self) -> torch.nn.Module:
@@ -168,7 +168,7 @@ class ParallelEngine:
         assert local is not None
         # exactly one rank of each replica group writes (and counts in the grad norm) each piece: the TP
         # rank that owns it, and the first pipeline stage for a tied pair split across stages
-        owned = {name for name, _ in tp_owned_parameters(model, self.ctx.tp_group)}
+        owned = {name for name, _ in tp_owned_parameters(model, self.grid.tp_group)}
         for name, p in model.named_parameters():
             writer = name in owned and name not in local.replica_of_tied
             canonical = local.canonical[name]
@@ -197,7 +197,7 @@ class ParallelEngine:
             local = self.executor.run(micro_batches, train=train)
         finally:
             self.data_parallel.end_pass()
-        return self.ctx.loss_on_every_rank(local)
+        return self.grid.loss_on_every_rank(local)
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepOutput:
         model, optimizer = self._model(), self.optimizer
@@ -206,23 +206,23 @@ class ParallelEngine:
         self.data_parallel.start_step()
         # auxiliary losses: the mean over micro-batches. Each cp rank back-propagates the micro-batch's
         # loss through its own tokens only and DP x CP averages, so each gets cp times the weight.
-        self.experts.grad_scale = self.ctx.cp / len(micro_batches)
+        self.experts.grad_scale = self.grid.cp / len(micro_batches)
         loss = self._run(micro_batches, train=True)
         self.data_parallel.finish_step()
-        if self.ctx.tp > 1:  # sequence-parallel replicated params, kv heads shared by several ranks
-            tp_grad_sync(model, self.ctx.tp_group, grad_of=lambda p: getattr(p, "main_grad", None))
+        if self.grid.tp > 1:  # sequence-parallel replicated params, kv heads shared by several ranks
+            tp_grad_sync(model, self.grid.tp_group, grad_of=lambda p: getattr(p, "main_grad", None))
         for p in self.tied_split:  # tied embeddings on the first and last stage: sum both sides
-            dist.all_reduce(p.main_grad, group=self.ctx.tied_group)
+            dist.all_reduce(p.main_grad, group=self.grid.tied_group)
         assert self.local is not None
         routing = None
         if self.local.moe_layers:
             routing = StepRoutingStatistics.of_step(
-                self.moe_local, len(self.local.moe_layers), self.local.moe_experts, self.ctx
+                self.moe_local, len(self.local.moe_layers), self.local.moe_experts, self.grid
             )
         metrics = routing.metrics() if routing is not None else {}
         if not math.isfinite(loss):
             return StepOutput(loss, None, skipped=True, metrics=metrics)
-        norm = global_grad_norm(self.trainables, self.data_parallel, self.ctx, self.device)
+        norm = global_grad_norm(self.trainables, self.data_parallel, self.grid, self.device)
         clip = self.config.optimizer.clip_grad
         if clip is not None and norm > clip:
             self.data_parallel.grad_buffer.mul_(clip / (norm + 1e-6))
@@ -280,20 +280,20 @@ class ParallelEngine:
         )
 
     def all_gather_object(self, obj: T) -> list[T]:
-        return self.ctx.all_gather_object(obj)
+        return self.grid.all_gather_object(obj)
 
     def barrier(self) -> None:
-        self.ctx.barrier()
+        self.grid.barrier()
 
     def all_ranks_ok(self, ok: bool) -> bool:
-        return self.ctx.all_ranks_ok(ok)
+        return self.grid.all_ranks_ok(ok)
 
     def shutdown(self) -> None:
         """Close what the strategies own, drop every reference to the process groups (TP layers,
         buffers, optimizer, runtimes: all engine state but the grid), then destroy the groups."""
         self.data_parallel.close()
-        ctx = self.ctx
+        grid = self.grid
         for name in list(vars(self)):
-            if name != "ctx":
+            if name != "grid":
                 setattr(self, name, None)
-        ctx.destroy()
+        grid.destroy()

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from nanocore.moe_api import MoELayer
 
-from .grid import ParallelContext
+from .grid import ProcessGrid
 
 
 @attrs.define
@@ -35,17 +35,15 @@ class StepRoutingStatistics:
         return cls(zero(layers, experts), zero(layers), zero(layers), zero(layers), zero(layers), zero(layers))
 
     @classmethod
-    def of_step(
-        cls, local: dict[int, MoELayer], layers: int, experts: int, ctx: ParallelContext
-    ) -> StepRoutingStatistics:
+    def of_step(cls, local: dict[int, MoELayer], layers: int, experts: int, grid: ProcessGrid) -> StepRoutingStatistics:
         """What the `layers` MoE layers of the model saw this step, summed over every rank; `local` maps
         an index among them to this rank's layer."""
         stats = cls.zeros(layers, experts)
-        keep = ctx.tp_rank == 0 and ctx.cp_rank == 0  # TP and CP ranks hold the same (summed) figures
+        keep = grid.tp_rank == 0 and grid.cp_rank == 0  # TP and CP ranks hold the same (summed) figures
         for index, layer in local.items():
             stats.record(index, layer, keep)
-        if ctx.distributed:
-            stats.all_reduce(ctx.device)
+        if grid.distributed:
+            stats.all_reduce(grid.device)
         return stats
 
     def update_router_biases(self, local: dict[int, MoELayer]) -> None:

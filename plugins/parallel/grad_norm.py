@@ -14,21 +14,21 @@ import torch.distributed as dist
 from nanocore.engine_api import TrainableParam
 
 from .data_parallel import DataParallel
-from .grid import ParallelContext
+from .grid import ProcessGrid
 
 
 def global_grad_norm(
-    trainables: list[TrainableParam], data_parallel: DataParallel, ctx: ParallelContext, device: torch.device
+    trainables: list[TrainableParam], data_parallel: DataParallel, grid: ProcessGrid, device: torch.device
 ) -> float:
     # one multi-tensor norm per kind, no squared copies of the gradients
     dense = _sum_of_squares([t.grad for t in trainables if t.writer and t.dp is None], device)
     experts = _sum_of_squares([t.grad for t in trainables if t.writer and t.dp is not None], device)
     data_parallel.square_sums(dense, experts)  # ZeRO-2/3: each replica holds other rows
-    if ctx.ep > 1:  # each expert-parallel rank holds other experts
-        dist.all_reduce(experts, group=ctx.ep_group)
+    if grid.ep > 1:  # each expert-parallel rank holds other experts
+        dist.all_reduce(experts, group=grid.ep_group)
     dense += experts
-    if ctx.distributed and ctx.tp * ctx.pp > 1:
-        dist.all_reduce(dense, group=ctx.mp_group)
+    if grid.distributed and grid.tp * grid.pp > 1:
+        dist.all_reduce(dense, group=grid.mp_group)
     return float(dense.sqrt())
 
 

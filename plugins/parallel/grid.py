@@ -16,7 +16,7 @@ all-to-all. Ranks holding the same experts (same ep_rank, every edp) form the ex
 group, over which expert gradients are reduced; everything else is reduced over all of DP x CP.
 With cp = 1 all of this is the 3D grid (DP x CP = DP).
 
-A `ParallelContext` is created once by the engine and passed explicitly; there is no global.
+A `ProcessGrid` is created once by the engine and passed explicitly; there is no global.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.distributed as dist
 # default group as the default argument of its functions when it is first imported (which a
 # first meta-device initialisation does, through torch._dynamo). Imported after
 # init_process_group, it would keep the default group, and its gloo worker threads, alive until
-# interpreter shutdown, where they abort the process (see `ParallelContext.destroy`).
+# interpreter shutdown, where they abort the process (see `ProcessGrid.destroy`).
 import torch.distributed.nn  # noqa: F401  isort: skip
 
 from nanocore.config.schema import ParallelismArgs
@@ -46,7 +46,7 @@ log = logging.getLogger("nanocore")
 T = TypeVar("T")
 
 
-class ParallelContext:
+class ProcessGrid:
     """Ranks, process groups and the device of this process."""
 
     def __init__(self, par: ParallelismArgs):

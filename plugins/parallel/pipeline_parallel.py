@@ -21,7 +21,7 @@ from nanocore.pipeline_api import Action, PipelineSchedule
 from .build import LocalModel
 from .context_parallel import ContextParallel
 from .data_parallel import BlockParameters
-from .grid import ParallelContext
+from .grid import ProcessGrid
 
 _HEADER = 8  # ndim + up to 7 dims
 
@@ -29,33 +29,33 @@ _HEADER = 8  # ndim + up to 7 dims
 class P2P:
     """Point-to-point messages between pipeline ranks, with a shape header so receivers can allocate."""
 
-    def __init__(self, ctx: ParallelContext, dtype: torch.dtype):
-        self.ctx, self.dtype = ctx, dtype
+    def __init__(self, grid: ProcessGrid, dtype: torch.dtype):
+        self.grid, self.dtype = grid, dtype
         self.pending: list = []
         self.local: dict[tuple, torch.Tensor] = {}
-        self.tagged = ctx.backend == "gloo"  # NCCL matches messages in order and ignores tags
+        self.tagged = grid.backend == "gloo"  # NCCL matches messages in order and ignores tags
 
     def send(self, tensor: torch.Tensor, dst_pp_rank: int, key: tuple[int, int, int]) -> None:
-        if dst_pp_rank == self.ctx.pp_rank:  # interleaving with pp=1: hand over in-process
+        if dst_pp_rank == self.grid.pp_rank:  # interleaving with pp=1: hand over in-process
             self.local[key] = tensor
             return
-        dst = self.ctx.pp_peer(dst_pp_rank)
+        dst = self.grid.pp_peer(dst_pp_rank)
         header = torch.zeros(_HEADER, dtype=torch.long, device=tensor.device)
         header[0] = tensor.dim()
         header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
-        tag, group = self._tag(key), self.ctx.p2p_groups[key[0]]
+        tag, group = self._tag(key), self.grid.p2p_groups[key[0]]
         self.pending.append(dist.isend(header, dst, group=group, tag=2 * tag))
         self.pending.append(dist.isend(tensor.contiguous(), dst, group=group, tag=2 * tag + 1))
 
     def recv(self, src_pp_rank: int, key: tuple[int, int, int]) -> torch.Tensor:
-        if src_pp_rank == self.ctx.pp_rank:
+        if src_pp_rank == self.grid.pp_rank:
             return self.local.pop(key)
-        src = self.ctx.pp_peer(src_pp_rank)
-        tag, group = self._tag(key), self.ctx.p2p_groups[key[0]]
-        header = torch.empty(_HEADER, dtype=torch.long, device=self.ctx.device)
+        src = self.grid.pp_peer(src_pp_rank)
+        tag, group = self._tag(key), self.grid.p2p_groups[key[0]]
+        header = torch.empty(_HEADER, dtype=torch.long, device=self.grid.device)
         dist.irecv(header, src, group=group, tag=2 * tag).wait()
         shape = header[1 : 1 + int(header[0])].tolist()
-        out = torch.empty(shape, dtype=self.dtype, device=self.ctx.device)
+        out = torch.empty(shape, dtype=self.dtype, device=self.grid.device)
         dist.irecv(out, src, group=group, tag=2 * tag + 1).wait()
         return out
 
@@ -85,7 +85,7 @@ class PipelineExecutor:
 
     def __init__(
         self,
-        ctx: ParallelContext,
+        grid: ProcessGrid,
         local: LocalModel,
         chunk_modules: list[list[list[torch.nn.Module]]],
         schedule: PipelineSchedule,
@@ -99,20 +99,22 @@ class PipelineExecutor:
     ):
         """`block_parameters`: gathered before each block runs and released after (ZeRO-3); None when
         parameters are always whole. `gradients` hears of each backward (None: evaluation only)."""
-        self.ctx, self.local, self.schedule, self.loss_fn = ctx, local, schedule, loss_fn
+        self.grid, self.local, self.schedule, self.loss_fn = grid, local, schedule, loss_fn
         self.chunk_modules = chunk_modules
         self.sequence = sequence  # context parallelism / document masking: this rank's tokens and their layout
         self.recompute = recompute
         self.gradients = gradients
         self.params = block_parameters
-        self.p2p = P2P(ctx, dtype)
+        self.p2p = P2P(grid, dtype)
         self.last_stage = local.num_virtual_stages - 1
         self._actions: dict[int, list[Action]] = {}
 
     def actions(self, num_microbatches: int) -> list[Action]:
         if num_microbatches not in self._actions:
             v = len(self.local.chunks)
-            self._actions[num_microbatches] = self.schedule.actions(self.ctx.pp, self.ctx.pp_rank, num_microbatches, v)
+            self._actions[num_microbatches] = self.schedule.actions(
+                self.grid.pp, self.grid.pp_rank, num_microbatches, v
+            )
         return self._actions[num_microbatches]
 
     def _run_chunk(self, c: int, x: torch.Tensor, grad: bool) -> torch.Tensor:
@@ -136,11 +138,11 @@ class PipelineExecutor:
         return x
 
     def _owner(self, stage: int) -> int:
-        return stage % self.ctx.pp
+        return stage % self.grid.pp
 
     def run(self, micro_batches: list[torch.Tensor], train: bool) -> torch.Tensor:
         """Run one step's actions; returns the sum of this rank's microbatch losses / M (0 off the last stage)."""
-        device = self.ctx.device
+        device = self.grid.device
         inputs = [mb[:, :-1].to(device, non_blocking=True) for mb in micro_batches]
         labels = [mb[:, 1:].to(device, non_blocking=True) for mb in micro_batches]
         sequence, layouts = self.sequence, []
@@ -156,7 +158,7 @@ class PipelineExecutor:
 
     def _run(self, inputs: list, labels: list, layouts: list, train: bool) -> torch.Tensor:
         m_count = len(inputs)
-        device = self.ctx.device
+        device = self.grid.device
         total = torch.zeros((), dtype=torch.float32, device=device)
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         actions = self.actions(m_count)

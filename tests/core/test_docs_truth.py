@@ -6,7 +6,7 @@ blocks), each thing is checked once per page, at its first mention:
 
 - every dotted `nanocore.…` / `nanocore_plugins.…` name (and `from nanocore.x import y`) imports, and its
   attributes resolve;
-- every CamelCase name in a span (`ParallelContext`) is defined in the code, or is another project's name
+- every CamelCase name in a span (`ProcessGrid`) is defined in the code, or is another project's name
   listed in EXTERNAL_NAMES; every hook name (`register_…`, `on_…`) is a hook of nanocore/hookspecs.py;
 - every `nanocore <command> [<sub-command>] --flag` is a command and flag of the real parser
   (`nanocore.commands.cli.build_parser`, with the commands plugins register), and every
@@ -223,7 +223,7 @@ def _defined_names() -> frozenset[str]:
 
 
 def class_names() -> list[Ref]:
-    """CamelCase names in spans that are a name or a call (`ParallelContext`, `Engine.step(...)`)."""
+    """CamelCase names in spans that are a name or a call (`ProcessGrid`, `Engine.step(...)`)."""
     found = []
     for doc in _docs():
         for ref in code_of(doc)[0]:
@@ -476,7 +476,7 @@ def test_the_docs_are_read() -> None:
     keys = {ref.text for ref in config_keys()}
     assert {"parallelism.pp_engine", "optimizer.zero_stage", "parallelism.expert_parallel_size"} <= keys
     assert {"link:docs/parallelism.md", "plugins/parallel/grid.py", "run_train.py"} <= {ref.text for ref in paths()}
-    assert "ParallelContext" in {ref.text for ref in class_names()}
+    assert "ProcessGrid" in {ref.text for ref in class_names()}
     assert "register_pipeline_schedules" in {ref.text for ref in hook_refs()}
 
 

@@ -15,15 +15,10 @@ from safetensors.torch import load_file
 
 from nanocore.checkpoint.model import load_checkpoint_model
 from nanocore.commands.cli import run as cli
-from nanocore.config.checks import check_config
-from nanocore.config.converter import structure_config
-from nanocore.config.load import LoadedConfig
 from nanocore.errors import ConfigError
-from nanocore.plugins import load_plugins
-from nanocore.trainer import Trainer
 from tests.helpers.compare import rel_diff
 from tests.helpers.hf_models import hf_model, save_hf_llama
-from tests.helpers.training import TINY_MODEL, run_training, tiny_config
+from tests.helpers.training import TINY_MODEL, run_training, tiny_config, train_in_process
 
 STEPS = 2
 
@@ -41,19 +36,6 @@ def hf(tmp_path_factory):
 def config_from(tmp, hf, init_path, **sections):
     model = {"model_config": hf["model_config"], "init_method": {"path": str(init_path) if init_path else None}}
     return tiny_config(tmp, model=model, tokens={"train_steps": STEPS}, **sections)
-
-
-def train_in_process(raw: dict) -> tuple[list[float], list[torch.Tensor]]:
-    """Losses of a one-process run, and its first batch's micro-batches."""
-    plugins = load_plugins()
-    config = structure_config(raw, plugins.registries)
-    check_config(config, plugins.registries, 1)
-    trainer = Trainer(LoadedConfig(config, plugins, None))
-    try:
-        first_batch = trainer.data.micro_batches(trainer.data.mixture(0), 0)
-        return trainer.train(), first_batch
-    finally:
-        trainer.close()
 
 
 @pytest.fixture(scope="module")

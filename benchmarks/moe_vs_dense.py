@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokens_per_step = args.micro_batch_size * args.accumulation * args.seq
     print(
         f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} thread(s), {args.dtype}; hidden "
-        f"{args.hidden}, {args.layers} layers, vocab {args.vocab}; MoE {args.experts} experts x {args.expert_intermediate} "
+        f"{args.hidden}, {args.layers} layers, vocab {args.vocab}; MoE {args.experts} experts x "
+        f"{args.expert_intermediate} "
         f"top-{args.top_k} vs dense MLP {args.top_k * args.expert_intermediate}; {tokens_per_step} tokens/step; "
         f"{args.rounds} rounds x (1 warm-up + {args.steps} timed steps) per side, sides stepped in turn",
         flush=True,

@@ -392,7 +392,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rates = sorted(tokens_per_step / t for t in wall[side])
         mem = f", peak memory {memory[side]['peak_mib']:.0f} MiB" if memory else ""
         print(
-            f"{(side if side == 'nanocore' else args.baseline):>12}: {median[side]:7.0f} tokens/s, median of {len(rates)} steps "
+            f"{(side if side == 'nanocore' else args.baseline):>12}: {median[side]:7.0f} tokens/s, median of "
+            f"{len(rates)} steps "
             f"(range {rates[0]:.0f}-{rates[-1]:.0f}){mem}"
         )
     print(f"    ratio: nanocore / {args.baseline} = {ratio:.3f} (goal >= 1.0)")

@@ -58,7 +58,8 @@ def explain_collective_failure(exc: BaseException, timeout_seconds: float) -> Na
         return TrainingError(
             f"a collective operation did not complete within parallelism.collective_timeout_seconds "
             f"({timeout_seconds:g} s): another rank stalled, hung or died. Its log says why; raise the timeout if "
-            f"some step legitimately takes longer (a long checkpoint save or evaluation). ({type(exc).__name__}: {text})"
+            "some step legitimately takes longer (a long checkpoint save or evaluation). "
+            f"({type(exc).__name__}: {text})"
         )
     if any(k in lowered for k in _PEER_GONE):
         return TrainingError(

@@ -28,8 +28,8 @@ class NanocoreSpecs:
     def register_models(self, registry: Registry) -> None:
         """Register model types: `registry.register(name, build, config_class=...)`.
 
-        `build(model_args, *, vocab_multiple)` returns an `nn.Module` (built on the current default device, usually meta)
-        that follows `nanocore.model_api.CausalLM`.
+        `build(model_args, *, vocab_multiple)` returns an `nn.Module` (built on the current default
+        device, usually meta) that follows `nanocore.model_api.CausalLM`.
         """
 
     @hookspec

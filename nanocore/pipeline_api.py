@@ -46,4 +46,5 @@ class PipelineSchedule(Protocol):
         """Every F and B this rank runs for one optimizer step, in order."""
 
     def check(self, pp_size: int, num_microbatches: int, num_chunks: int) -> list[str]:
-        """Problems with this layout as 'yaml.path: message' (e.g. 'tokens.batch_accumulation_per_replica: ...'); [] if fine."""
+        """Problems with this layout as 'yaml.path: message' (e.g.
+        'tokens.batch_accumulation_per_replica: ...'); [] if fine."""

@@ -1,8 +1,9 @@
 """The start-of-run summary rank 0 prints: what runs, where, on what, and how big it is.
 
-    nanocore 0.1.0 | run 'tiny_llama' (id 3f2a...) | fresh start
-    plugins: llama, parallel, ... (nanocore 0.1.0); stdlib_corpus (local examples/local_plugins/stdlib_corpus.py)
-    layout: 8 processes = dp 2 x tp 2 x pp 2 | pp_engine 1f1b, 1 virtual stage(s) | tp_mode REDUCE_SCATTER | ZeRO 1 | cpu, float32
+    nanocore 0.2.0 | run 'tiny_llama' (id 3f2a...) | fresh start
+    plugins: llama, parallel, ... (nanocore 0.2.0); stdlib_corpus (local examples/local_plugins/stdlib_corpus.py)
+    layout: 8 processes = dp 2 x tp 2 x pp 2 | pp_engine 1f1b, 1 virtual stage(s) | tp_mode REDUCE_SCATTER
+      | ZeRO 1 | cpu, float32
     model: llama, 1.06M parameters; per rank 0.19M-0.34M
     ...
 
@@ -197,7 +198,8 @@ def run_summary(run: RunFacts) -> str:
         f"model: {cfg.model.model_type}, {_count(total_params)} parameters; per rank {spread}",
         f"tokens: {tokens.sequence_length * cfg.global_batch_size:,} per step (global batch {cfg.global_batch_size} = "
         f"dp {par.dp} x micro-batch {tokens.micro_batch_size} x accumulation {tokens.batch_accumulation_per_replica}, "
-        f"sequence {tokens.sequence_length}{', documents masked' if tokens.document_masking else ''}); {tokens.train_steps} steps = {_count(run.tokens_per_step * tokens.train_steps)} tokens",
+        f"sequence {tokens.sequence_length}{', documents masked' if tokens.document_masking else ''}); "
+        f"{tokens.train_steps} steps = {_count(run.tokens_per_step * tokens.train_steps)} tokens",
         *[f"data {line}" for line in stage_lines],
         _memory_line(estimates),
         _plan_line(run),

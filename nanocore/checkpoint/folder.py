@@ -226,7 +226,8 @@ def _fail_unless_all_ok(root: Path, step: int, is_main: bool, error: BaseExcepti
     latest = root / LATEST
     last = f" ({root / latest.read_text().strip()})" if latest.is_file() else ""
     raise CheckpointError(
-        f"could not save the checkpoint of step {step} in {root}: {reason}. The half-written {tmp_folder(root, step).name} "
+        f"could not save the checkpoint of step {step} in {root}: {reason}. The half-written "
+        f"{tmp_folder(root, step).name} "
         f"was removed; the last good checkpoint{last} and {LATEST} are as they were. Free some space or make the "
         "folder writable (or change checkpoints.checkpoints_path), then resume with "
         "checkpoints.resume_checkpoint_path: latest"

@@ -62,11 +62,13 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
     lr = opt.learning_rate_scheduler
     if lr.lr_warmup_style not in WARMUP_STYLES:
         p.append(
-            f"optimizer.learning_rate_scheduler.lr_warmup_style: expected linear or constant, got {lr.lr_warmup_style!r}"
+            "optimizer.learning_rate_scheduler.lr_warmup_style: expected linear or constant, got "
+            f"{lr.lr_warmup_style!r}"
         )
     if lr.lr_decay_style not in registries.lr_decay:
         p.append(
-            f"optimizer.learning_rate_scheduler.lr_decay_style: {registries.lr_decay.unknown_message(lr.lr_decay_style)}"
+            "optimizer.learning_rate_scheduler.lr_decay_style: "
+            f"{registries.lr_decay.unknown_message(lr.lr_decay_style)}"
         )
     if lr.learning_rate < 0 or lr.min_decay_lr < 0 or lr.min_decay_lr > lr.learning_rate:
         p.append("optimizer.learning_rate_scheduler: need 0 <= min_decay_lr <= learning_rate")

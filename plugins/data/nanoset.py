@@ -139,7 +139,8 @@ def _file_tokens(path: Path, token_size: int, meta: Metadata | None) -> int:
             if last_end != num_tokens:
                 raise DataError(
                     f"{path}: holds {num_tokens} tokens but its index says the last document ends at token "
-                    f"{last_end}; the file is truncated or the index belongs to another file. Re-copy or re-tokenize it."
+                    f"{last_end}; the file is truncated or the index belongs to another file. Re-copy or "
+                    "re-tokenize it."
                 )
     if meta is not None and meta.token_count is not None and meta.token_count != num_tokens:
         raise DataError(
@@ -165,7 +166,8 @@ def open_folder(
     if not paths:
         raise DataError(
             f"nanoset folder {str(folder)!r} has no *.ds files. Tokenize text into it with "
-            f"`nanocore preprocess --input TEXT_FILES --output {folder} --tokenizer ...` (or datatrove's DocumentTokenizer)"
+            f"`nanocore preprocess --input TEXT_FILES --output {folder} --tokenizer ...` (or datatrove's "
+            "DocumentTokenizer)"
         )
     metas = {p: read_metadata(p) for p in sorted(folder.glob("*.ds.metadata"))}
     per_file = {p: metas.get(Path(f"{p}.metadata")) for p in paths}
@@ -196,7 +198,8 @@ def open_folder(
     for f in files:
         if f.num_tokens and (top := f.max_token()) >= vocab_size:
             raise DataError(
-                f"{f.path}: contains token id {top} but the model's vocabulary has {vocab_size} ids (0..{vocab_size - 1}). "
+                f"{f.path}: contains token id {top} but the model's vocabulary has {vocab_size} ids "
+                f"(0..{vocab_size - 1}). "
                 "The data was tokenized with a larger tokenizer than the configured one: use that tokenizer "
                 "(and a model vocab_size at least as large) or re-tokenize the data with `nanocore preprocess`."
             )

@@ -1,9 +1,11 @@
 """From a single-device model plugin to this rank's part of the model.
 
 Order (fixed, like torchtitan's): build on meta (`meta_model`) -> tensor parallel (the engine
-applies the model's TP plan, `tensor_parallel.parallelize`) -> `build_local_model`: expert parallel (keep this rank's experts of each MoE layer) -> pipeline cut (keep this rank's chunks) -> materialise (each parameter initialised as the *full*
-tensor from a generator seeded by (seed, name), then sliced by its Placement; a large tensor in blocks
-of rows, only those a rank holds, where the model allows it) -> re-tie.
+applies the model's TP plan, `tensor_parallel.parallelize`) -> `build_local_model`: expert parallel
+(keep this rank's experts of each MoE layer) -> pipeline cut (keep this rank's chunks) ->
+materialise (each parameter initialised as the *full* tensor from a generator seeded by (seed,
+name), then sliced by its Placement; a large tensor in blocks of rows, only those a rank holds,
+where the model allows it) -> re-tie.
 
 The vocabulary is padded for this layout (`vocab_multiple`); the placements of the parameters the
 model declares in `vocab_parameters` say which rows are real, so checkpoints hold only those.

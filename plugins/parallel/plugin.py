@@ -96,7 +96,9 @@ def register_parallel_engines(registry):
         "nd",
         ParallelEngine,
         aliases=("3d",),  # the name before 0.2: configs that say `engine: 3d` keep running
-        description="data, context, tensor, pipeline and expert parallelism (dp, cp, tp, pp, ep; gloo on CPU, NCCL on GPU)",
+        description=(
+            "data, context, tensor, pipeline and expert parallelism (dp, cp, tp, pp, ep; gloo on CPU, NCCL on GPU)"
+        ),
         check=check,
         check_model=check_blocks,
         plan=plan,

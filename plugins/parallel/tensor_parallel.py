@@ -261,7 +261,8 @@ def parallelize(
         wanted = nn.Embedding if style == "vocab_embedding" else nn.Linear
         if type(module) is not wanted:
             raise PluginError(
-                f"tp_plan maps {name!r} to {style}, which needs an nn.{wanted.__name__}, but it is a {type(module).__name__}"
+                f"tp_plan maps {name!r} to {style}, which needs an nn.{wanted.__name__}, but it is a "
+                f"{type(module).__name__}"
             )
         tied = replaced.get(id(module.weight))
         if style == "vocab_embedding":

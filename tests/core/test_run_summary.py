@@ -34,13 +34,13 @@ def test_start_of_run_summary_says_what_runs_where(tmp_path, caplog):
         assert name in plugins
     assert f"(nanocore {__version__})" in plugins
     assert (
-        "layout: 1 process(es) = dp 1 x tp 1 x pp 1 | pp_engine 1f1b, 1 virtual stage(s) | tp_mode - | ZeRO 0 | cpu, float32"
-        in summary
+        "layout: 1 process(es) = dp 1 x tp 1 x pp 1 | pp_engine 1f1b, 1 virtual stage(s) | tp_mode - | ZeRO 0 "
+        "| cpu, float32" in summary
     )
     assert "model: llama, " in summary and " parameters; per rank " in summary
     assert (
-        "tokens: 64 per step (global batch 4 = dp 1 x micro-batch 1 x accumulation 4, sequence 16); 2 steps = 128 tokens"
-        in summary
+        "tokens: 64 per step (global batch 4 = dp 1 x micro-batch 1 x accumulation 4, sequence 16); 2 steps = "
+        "128 tokens" in summary
     )
     assert "data stage 'stable': steps 1-2 (128 tokens) from dummy;" in summary
     memory = next(line for line in lines if "memory per rank" in line)

@@ -46,8 +46,8 @@ def test_a_fresh_run_refuses_another_runs_folders_and_touches_nothing(tmp_path):
         run_training(config(tmp_path, seed=8))
     message = str(caught.value)
     assert (
-        f"checkpoints.checkpoints_path {str(tmp_path / 'checkpoints')!r} already holds checkpoints of another run (2, 4, latest.txt)"
-        in message
+        f"checkpoints.checkpoints_path {str(tmp_path / 'checkpoints')!r} already holds checkpoints of another "
+        "run (2, 4, latest.txt)" in message
     )
     assert f"logging.log_dir {str(tmp_path / 'logs')!r} already holds logs of another run (metrics.jsonl)" in message
     assert "Nothing was changed" in message

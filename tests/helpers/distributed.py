@@ -79,7 +79,8 @@ def _rank_main(
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list[Any]:
-    """Call `fn(rank, world_size, *args)` on `world_size` fresh gloo rank processes; return their results in rank order."""
+    """Call `fn(rank, world_size, *args)` on `world_size` fresh gloo rank processes; return their results
+    in rank order."""
     env = dict(os.environ)
     ctx = _context(env)
     results = ctx.Queue()

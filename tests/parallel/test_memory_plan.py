@@ -1,10 +1,11 @@
 """`nanocore plan` against what runs hold: exact bytes for parameters, gradients and optimizer state,
 and a total within 15 % of the measured peak (`peak_memory_mb`) on six layouts of a 56M model.
 
-On CPU `peak_memory_mb` is resident memory (less file-backed pages), and glibc's allocator keeps freed heap resident (10-20 %
-here), which is not memory the run holds. The ranks therefore run with MALLOC_MMAP_THRESHOLD_=65536
-(every allocation above 64 KiB is its own mapping, returned on free), as benchmarks/memory_layouts.py
-does; on CUDA the figure is torch's allocated peak and needs no such setting.
+On CPU `peak_memory_mb` is resident memory (less file-backed pages), and glibc's allocator keeps
+freed heap resident (10-20 % here), which is not memory the run holds. The ranks therefore run with
+MALLOC_MMAP_THRESHOLD_=65536 (every allocation above 64 KiB is its own mapping, returned on free), as
+benchmarks/memory_layouts.py does; on CUDA the figure is torch's allocated peak and needs no such
+setting.
 """
 
 from __future__ import annotations

@@ -210,7 +210,8 @@ def test_renamed_nanoset_key_is_read_under_its_nanocore_name(registries):
     with pytest.raises(ConfigError) as err:
         structure_config(raw, registries)
     assert err.value.problems == [
-        "data_stages[0].data.dataset.token_size_in_bytes: nanotron's name for 'token_size', which is also given; keep one"
+        "data_stages[0].data.dataset.token_size_in_bytes: nanotron's name for 'token_size', which is also "
+        "given; keep one"
     ]
 
 

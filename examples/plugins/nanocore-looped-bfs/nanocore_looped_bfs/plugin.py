@@ -27,6 +27,8 @@ def register_pipeline_engines(registry):
     registry.register(
         LoopedBFSSchedule.name,
         factory,
-        description="breadth-first looped: every microbatch through one chunk before the next; from nanocore-looped-bfs",
+        description=(
+            "breadth-first looped: every microbatch through one chunk before the next; from nanocore-looped-bfs"
+        ),
         check=check,
     )

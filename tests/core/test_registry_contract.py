@@ -84,3 +84,22 @@ def test_the_old_kind_name_reaches_the_renamed_registry():
 def test_the_engine_answers_to_nd_and_to_its_old_name_3d():
     engines = load_plugins().registries.parallel_engine
     assert engines.get("3d") is engines.get("nd")
+
+
+def test_an_engine_plan_that_is_not_a_memory_plan_is_refused_by_plugin(tmp_path):
+    """The plan crosses from the engine plugin to `nanocore plan` and the summary as a typed record."""
+    from nanocore.config.converter import structure_config
+    from nanocore.engine_api import MemoryPlan
+    from nanocore.plan import plan_for
+    from tests.helpers.training import tiny_config
+
+    plugins = load_plugins()
+    registries = plugins.registries
+    config = structure_config(tiny_config(tmp_path), registries)
+    assert isinstance(plan_for(config, registries, "cpu"), MemoryPlan)  # the built-in engine's
+    engines = registries.parallel_engine
+    engines.current_plugin = "dict_planner"
+    engines.register("dict_plan", engines.get("nd").factory, plan=lambda config, registries, device: {"ranks": []})
+    config.parallelism.engine = "dict_plan"
+    with pytest.raises(PluginError, match=r"plugin 'dict_planner': engine 'dict_plan'.s plan returned dict, not a"):
+        plan_for(config, registries, "cpu")

@@ -166,6 +166,14 @@ class KVCache:
 M = TypeVar("M", bound="TiedWeightsMixin")
 
 
+def tie_parameters(model: nn.Module, pairs: Iterable[tuple[str, str]]) -> None:
+    """Make the second parameter of each pair the first one (`nn.Module.to_empty` unties shared
+    parameters: it replaces each module's separately). The one place nanocore re-ties."""
+    for first, second in pairs:
+        parent, _, attr = second.rpartition(".")
+        setattr(model.get_submodule(parent), attr, model.get_parameter(first))
+
+
 class TiedWeightsMixin:
     """For a model module (listed before `nn.Module` in its bases) whose `tied_parameters` pairs share
     one Parameter: `tie_weights()` makes each pair one Parameter, and `to_empty` (which unties them,
@@ -175,10 +183,8 @@ class TiedWeightsMixin:
 
     def tie_weights(self) -> None:
         """Make each pair in `tied_parameters` one Parameter: the second name gets the first's."""
-        for source, target in self.tied_parameters:
-            src_mod, _, src_name = source.rpartition(".")
-            dst_mod, _, dst_name = target.rpartition(".")
-            setattr(self.get_submodule(dst_mod), dst_name, getattr(self.get_submodule(src_mod), src_name))  # type: ignore[attr-defined]
+        assert isinstance(self, nn.Module), "TiedWeightsMixin is for nn.Module subclasses"
+        tie_parameters(self, self.tied_parameters)
 
     def to_empty(self: M, *, device: torch.device | str | int | None, recurse: bool = True) -> M:
         super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]

@@ -22,7 +22,7 @@ from nanocore.checkpoint.verify import verify_checkpoint
 from nanocore.config.schema import ModelArgs, TokenizerArgs
 from nanocore.data.build import build_tokenizer
 from nanocore.dtypes import resolve_dtype
-from nanocore.model_api import check_model, whole_placement
+from nanocore.model_api import check_model, tie_parameters, whole_placement
 from nanocore.plugins import load_plugins
 
 if TYPE_CHECKING:
@@ -66,9 +66,7 @@ def load_checkpoint_model(
         model = entry.factory(model_args, vocab_multiple=model_args.make_vocab_size_divisible_by)
     check_model(model, entry.name)
     model.to(dtype).to_empty(device=device)
-    for first, second in getattr(model, "tied_parameters", []):  # to_empty unties shared parameters
-        module, _, attr = second.rpartition(".")
-        setattr(model.get_submodule(module), attr, model.get_parameter(first))
+    tie_parameters(model, getattr(model, "tied_parameters", []))  # to_empty unties shared parameters
     reader = ShardReader(folder / "model")
     with torch.no_grad():
         # named_parameters() lists a tied parameter once, under its first name: the name it was saved under.

@@ -22,7 +22,7 @@ import attrs
 import torch
 from torch import nn
 
-from nanocore.model_api import check_model, valid_rows
+from nanocore.model_api import check_model, tie_parameters, valid_rows
 from nanocore.moe_api import moe_layers
 from nanocore.registry import Entry
 from nanocore.sharding import Placement, get_placement, set_placement
@@ -133,10 +133,7 @@ def build_local_model(
     }
     extras = {name: {k: v for k, v in vars(p).items()} for name, p in model.named_parameters(remove_duplicate=False)}
     nn.Module.to_empty(model, device=device)  # not a model override: the engine re-ties below
-    for first, second in tied:  # to_empty replaces each module's parameters separately
-        if first in local and second in local:
-            parent, attr = second.rsplit(".", 1)
-            setattr(model.get_submodule(parent), attr, model.get_parameter(first))
+    tie_parameters(model, [(first, second) for first, second in tied if first in local and second in local])
     _materialise(model, model, seed, placements, extras, canonical, dtype, rows_of)
     return LocalModel(
         module=model,

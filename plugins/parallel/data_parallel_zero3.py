@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
 import torch
 from torch import nn
 
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
 from nanocore.engine_api import ReplicaGroup, TrainableParam
-from nanocore.sharding import all_gather_single, get_placement, row_share
+from nanocore.sharding import all_gather_single, row_share
 
 from .data_parallel import rows_placement
 from .data_parallel_zero2 import ShardedGradients
@@ -214,19 +215,8 @@ class ShardedParameters(ShardedGradients):
             self.params.release_all()
 
     def trainable(self, name: str, p: nn.Parameter, writer: bool, dp: ReplicaGroup | None) -> TrainableParam:
-        shape = tuple(p.zero3_shape)
-        return TrainableParam(
-            name,
-            p,
-            p.main_grad,
-            get_placement(p),
-            writer,
-            len(shape) >= 2,
-            dp,
-            grad_rows=self._sharded().rows[id(p)],
-            param_rows=p.zero3_shard,
-            shape=shape,
-        )
+        """As under sharded gradients, plus the rows this rank holds of the parameter itself."""
+        return attrs.evolve(super().trainable(name, p, writer, dp), param_rows=p.zero3_shard)
 
     def saved_piece(self, t: TrainableParam) -> ShardedTensor | None:
         """Every replica writes its own rows (frozen parameters are whole: the first replica writes)."""

@@ -103,8 +103,8 @@ def _train(raw: dict, world_size: int, extra_plugins: tuple = ()) -> dict:
         trainer.close()
     # Shutting down must leave no process group alive: a live gloo group's threads outlive the run
     # into interpreter shutdown, where they abort the process at random.
-    ctx = getattr(trainer.engine, "ctx", None)
-    assert ctx is None or ctx.live_groups() == 0, f"{ctx.live_groups()} process group(s) outlived shutdown"
+    grid = trainer.engine.grid
+    assert grid.live_groups() == 0, f"{grid.live_groups()} process group(s) outlived shutdown"
     return {"losses": losses, "pieces": pieces, "state_bytes": state_bytes, "metrics": recorder.rows, "memory": memory}
 
 

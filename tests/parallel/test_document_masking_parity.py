@@ -6,14 +6,12 @@ shards and pipeline micro-batches alike. Tolerances as in `test_parity.py`."""
 
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
 
 from tests.helpers.compare import rel_diff
+from tests.helpers.document_masking import corpus, masked_config, reference
 from tests.helpers.parity import GLOBAL_MICROBATCHES, assert_matches, layout
-from tests.helpers.training import run_training, tiny_config
+from tests.helpers.training import run_training
 
 pytestmark = pytest.mark.slow
 
@@ -25,36 +23,6 @@ LAYOUTS = {
     "cp4": layout(context_parallel_size=4),
     "dp2_cp2_tp2": layout(dp=2, context_parallel_size=2, tp=2),
 }
-
-
-def corpus(folder) -> str:
-    """One document per line, 2 to 20 characters: several per 32-token sample."""
-    rng = random.Random(0)
-    letters = "abcdefghij klmnop"
-    lines = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 20))) for _ in range(400)]
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
-    return str(path)
-
-
-def masked_config(tmp, data: str, masking: bool = True, **sections) -> dict:
-    raw = tiny_config(tmp, tokenizer={"tokenizer_name_or_path": "byte"}, **sections)
-    raw["model"]["model_config"]["vocab_size"] = 260
-    raw["tokens"]["sequence_length"] = 32
-    raw["tokens"]["document_masking"] = masking
-    raw["data_stages"][0]["data"]["dataset"] = {"format": "hf", "hf_dataset_or_datasets": data}
-    return raw
-
-
-_reference: dict[bool, dict] = {}
-
-
-def reference(tmp_path_factory, masking: bool = True) -> dict:
-    if masking not in _reference:
-        tmp = tmp_path_factory.mktemp(f"masked_reference_{masking}")
-        _reference[masking] = run_training(masked_config(tmp, corpus(tmp / "data"), masking))
-    return _reference[masking]
 
 
 def test_masking_changes_training(tmp_path_factory):

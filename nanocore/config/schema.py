@@ -122,6 +122,11 @@ class ModelArgs:
     )
     make_vocab_size_divisible_by: int = doc("Pad the vocabulary to a multiple of this times tp.", default=1)
     ddp_bucket_cap_mb: int = doc("Gradient bucket size for data-parallel reduction.", default=25)
+    compile: bool = doc(
+        "Compile each pipeline block (each decoder layer; the embedding; the final norm and head) and the loss "
+        "with torch.compile, regionally: layers of one shape share one compiled graph (docs/performance.md).",
+        default=False,
+    )
 
 
 @attrs.define

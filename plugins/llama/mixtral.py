@@ -130,8 +130,7 @@ class MixtralSparseMoeBlock(nn.Module):
         order = torch.argsort(expert_of_slot, stable=True)
         token_of_slot = order // self.top_k
         counts = torch.bincount(expert_of_slot, minlength=num_experts)
-        rows, local_counts, handle = self.runtime.dispatch(flat.index_select(0, token_of_slot), counts)
-        y = self.runtime.combine(self.experts(rows, local_counts), handle)
+        y = self._routed_experts(flat.index_select(0, token_of_slot), counts)
         # Weighted in float32 and summed in the input dtype, as transformers does.
         y = (y * weights.reshape(-1)[order, None]).to(flat.dtype)
         out = torch.zeros_like(flat).index_add(0, token_of_slot, y)
@@ -140,6 +139,14 @@ class MixtralSparseMoeBlock(nn.Module):
         if self.training and torch.is_grad_enabled():
             out = self._auxiliary_losses(out, logits, probs, counts)
         return out.view_as(x)
+
+    @torch.compiler.disable
+    def _routed_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Token rows sorted by expert -> each through its expert, back in the same order. Eager in a
+        compiled layer (`model.compile`): how many rows reach each expert changes every step, and a
+        compiled graph would be re-traced for each new split."""
+        rows, local_counts, handle = self.runtime.dispatch(rows, counts)
+        return self.runtime.combine(self.experts(rows, local_counts), handle)
 
     def _auxiliary_losses(
         self, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor

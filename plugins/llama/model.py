@@ -66,9 +66,19 @@ class Rotary:
         self._last: tuple | None = None  # (positions, (device, dtype), cos, sin) of the last `at`
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def _direct(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at `positions` computed without the tables (the same values): inside a compiled
+        graph (`model.compile`), which must not depend on what an earlier call stored, or a block
+        recomputed in backward would run another graph than its forward did."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
     def cos_sin(self, seq_len: int, offset: int, device: torch.device, dtype: torch.dtype):
         key = (device, dtype)
         end = offset + seq_len
+        if torch.compiler.is_compiling():
+            return self._direct(torch.arange(offset, end, device=device), dtype)
         if key not in self._tables or self._tables[key][0].shape[0] < end:
             # Normal tensors even under inference_mode, so a later training step may use the table.
             with torch.inference_mode(False), torch.no_grad():
@@ -82,6 +92,9 @@ class Rotary:
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [b or 1, 1, s, head_dim] at explicit positions [b or 1, s] (context parallelism,
         document masking). Every layer of a micro-batch asks for the same positions: computed once."""
+        if torch.compiler.is_compiling():
+            cos, sin = self._direct(positions, dtype)
+            return cos[:, None], sin[:, None]
         key = (positions.device, dtype)
         if self._last is not None and self._last[0] is positions and self._last[1] == key:
             return self._last[2], self._last[3]

@@ -83,6 +83,7 @@ class ContextParallel:
         assert self.layout is not None, "context parallel runtime used outside a micro-batch"
         return self.layout.positions
 
+    @torch.compiler.disable  # the ring's exchanges and per-document masks run eagerly in a compiled layer
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layout = self.layout
         assert layout is not None, "context parallel runtime used outside a micro-batch"

@@ -12,6 +12,7 @@ What differs between ZeRO stages lives in the `DataParallel` strategy chosen onc
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import torch
@@ -28,6 +29,7 @@ from nanocore.sharding import get_placement
 from nanocore.tp_api import TPMode
 
 from .build import LocalModel, build_local_model, chunk_modules, chunk_parameters, meta_model, tied_across_stages
+from .compile import FirstStepTimer, compile_blocks, compile_loss, release_compiled
 from .context_parallel import ContextParallel
 from .data_parallel import DataParallel, ReplicatedGradients, real_elements
 from .data_parallel_zero2 import ShardedGradients
@@ -95,6 +97,8 @@ class ParallelEngine:
         self.trainables: list[TrainableParam] = []
         self.frozen: list[TrainableParam] = []  # saved, never trained (a router's balancing bias)
         self.states_per_element: int | None = None  # for the start-of-run memory estimate
+        # with model.compile, the first step's time (compiling included) is logged
+        self.first_step: AbstractContextManager = FirstStepTimer() if config.model.compile else nullcontext()
         torch.manual_seed(config.general.seed + self.rank)
         # The first operation on the meta device imports torch's meta kernels (about 70 MiB of Python
         # modules on CPU): part of start-up, so run it before the trainer measures its memory baseline.
@@ -132,12 +136,17 @@ class ParallelEngine:
         self.tied_split = tied_across_stages(self.model, grid.pp)
         modules = chunk_modules(local)
         self.data_parallel.build(chunk_parameters(local), modules)
+        loss = language_model_loss(grid.tp_group, grid.tp_rank, self.true_vocab_size)
+        if self.config.model.compile:
+            compile_blocks(modules)
+            if grid.tp == 1:  # the vocabulary-parallel loss's collectives stay eager
+                loss = compile_loss(loss)
         self.executor = PipelineExecutor(
             grid,
             local,
             modules,
             self.schedule,
-            language_model_loss(grid.tp_group, grid.tp_rank, self.true_vocab_size),
+            loss,
             dtype=self.dtype,
             recompute=par.recompute == "full",
             gradients=self.data_parallel,
@@ -207,7 +216,8 @@ class ParallelEngine:
         # auxiliary losses: the mean over micro-batches. Each cp rank back-propagates the micro-batch's
         # loss through its own tokens only and DP x CP averages, so each gets cp times the weight.
         self.experts.grad_scale = self.grid.cp / len(micro_batches)
-        loss = self._run(micro_batches, train=True)
+        with self.first_step:
+            loss = self._run(micro_batches, train=True)
         self.data_parallel.finish_step()
         if self.grid.tp > 1:  # sequence-parallel replicated params, kv heads shared by several ranks
             tp_grad_sync(model, self.grid.tp_group, grad_of=lambda p: getattr(p, "main_grad", None))
@@ -292,6 +302,8 @@ class ParallelEngine:
         """Close what the strategies own, drop every reference to the process groups (TP layers,
         buffers, optimizer, runtimes: all engine state but the grid), then destroy the groups."""
         self.data_parallel.close()
+        if self.config.model.compile:  # compiled code holds the groups it was traced with (guards, constants)
+            release_compiled()
         grid = self.grid
         for name in list(vars(self)):
             if name != "grid":

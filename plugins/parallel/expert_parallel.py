@@ -58,6 +58,7 @@ class ExpertParallel:
         self.token_group = token_group
         self.grad_scale = 1.0
 
+    @torch.compiler.disable  # all-to-all with data-dependent sizes: eager inside a compiled layer
     def dispatch(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, list[int], Any]:
         ep = self.ep_size
         if ep == 1:
@@ -77,6 +78,7 @@ class ExpertParallel:
         per_expert = incoming.sum(0).tolist()
         return arrived.index_select(0, order), per_expert, _Handle(send, recv, order)
 
+    @torch.compiler.disable  # all-to-all with data-dependent sizes: eager inside a compiled layer
     def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
         if handle is None:
             return y
@@ -97,6 +99,7 @@ class ExpertParallel:
                 local[index] = layer
         return local
 
+    @torch.compiler.disable  # all-to-all with data-dependent sizes: eager inside a compiled layer
     def token_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.token_group is None:
             return t

@@ -27,6 +27,10 @@ from nanocore.tp_api import Group, TPMode
 
 STYLES = ("colwise", "rowwise", "colwise_kv", "vocab_embedding", "lm_head")
 
+# A TP layer's forward runs its mode's collectives; inside a compiled block (`model.compile`) it runs
+# eagerly and the compiled graph resumes after it, so no compiled graph holds a process group.
+_eager_in_compiled_blocks = torch.compiler.disable
+
 
 class PlannedGroup:
     """Stands for a TP group of `size` ranks seen from `rank` where no process group exists: the memory
@@ -97,6 +101,7 @@ class ColumnParallelLinear(nn.Module):
         bias = None if linear.bias is None else _param(linear.bias, rows, Placement((full[0],), (out_start,)))
         return cls(weight, bias, full_out_features=full[0], out_start=out_start, **kwargs)
 
+    @_eager_in_compiled_blocks
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp_mode.column_linear(x, self.weight, self.bias, self.group, self.async_communication)
 
@@ -149,6 +154,7 @@ class RowParallelLinear(nn.Module):
         bias = None if linear.bias is None else _param(linear.bias, (slice(None),), Placement.whole((full[0],)))
         return cls(weight, bias, full_in_features=full[1], in_start=in_start, **kwargs)
 
+    @_eager_in_compiled_blocks
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp_mode.row_linear(x, self.weight, self.bias, self.group, self.async_communication)
 
@@ -190,6 +196,7 @@ class VocabParallelEmbedding(nn.Module):
             weight = _param(embedding.weight, (slice(start, start + length),), Placement(full, (start, 0)))
         return cls(weight, full_num_embeddings=full[0], vocab_start=start, padding_idx=embedding.padding_idx, **kwargs)
 
+    @_eager_in_compiled_blocks
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.num_embeddings == self.full_num_embeddings:
             return self.tp_mode.after_embedding(F.embedding(input_ids, self.weight, self.padding_idx), self.group)

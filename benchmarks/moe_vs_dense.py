@@ -1,11 +1,14 @@
 """Mixture of experts against dense: nanocore's Mixtral beside a dense LLaMA with the same active
 parameters per token, and beside a plain transformers `MixtralForCausalLM` training loop.
 
-Three sides, same shape (hidden, layers, heads, vocabulary, sequence, batch), same AdamW (fused
+Four sides, same shape (hidden, layers, heads, vocabulary, sequence, batch), same AdamW (fused
 setting, weight decay on matrices only), same clipping (1.0), float32:
 
 - **moe**: nanocore's trainer on `model_type: mixtral` (E experts of width I, top-k, auxiliary
   loss on), the built-in `nd` engine at one process, random tokens (`dataset: null`).
+- **moe_loop**: the same, its experts one matmul each (`nanocore.moe_api.USE_GROUPED_MM = False`);
+  **moe** takes torch's grouped matmul where it runs (bfloat16, on CUDA and on CPU), so
+  `--dtype bfloat16` compares the two expert-GEMM paths (in float32 both sides loop).
 - **dense**: nanocore's trainer on `model_type: llama` with `intermediate_size = k x I`: every token
   computes with the same number of weights (attention, k x I of MLP width), so the FLOPs per token
   match and the ratio moe / dense is what routing and E small matmuls cost (or save) over one big one.
@@ -41,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import OPTIMIZER, SEED, nanocore_config  # noqa: E402  (the same config and AdamW)
 
-SIDES = ("moe", "dense", "hf_mixtral")
+SIDES = ("moe", "moe_loop", "dense", "hf_mixtral")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,9 +92,12 @@ def moe_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class NanocoreSide:
-    """One nanocore trainer, stepped one optimizer step at a time."""
+    """One nanocore trainer, stepped one optimizer step at a time. `grouped=False`: its experts run one
+    matmul per expert even where torch's grouped matmul would be taken (`nanocore.moe_api.expert_matmul`)."""
 
-    def __init__(self, args: argparse.Namespace, tmp: Path, model_config: dict[str, Any], steps: int):
+    def __init__(
+        self, args: argparse.Namespace, tmp: Path, model_config: dict[str, Any], steps: int, grouped: bool = True
+    ):
         from nanocore.config.checks import check_config
         from nanocore.config.converter import structure_config
         from nanocore.config.load import LoadedConfig
@@ -105,12 +111,19 @@ class NanocoreSide:
         check_config(config, plugins.registries, 1)
         self.trainer = Trainer(LoadedConfig(config, plugins, None))
         self.losses: list[float] = []
+        self.grouped = grouped
         engine = self.trainer.engine
         self.params = sum(t.param.numel() for t in engine.trainables)
         self.flops_per_token = engine.flops_per_token(args.seq)
 
     def step(self) -> float:
-        self.trainer._train_one_step(self.losses, 1)  # what Trainer.train runs per step
+        import nanocore.moe_api as moe_api
+
+        moe_api.USE_GROUPED_MM = self.grouped
+        try:
+            self.trainer._train_one_step(self.losses, 1)  # what Trainer.train runs per step
+        finally:
+            moe_api.USE_GROUPED_MM = True
         return self.losses[-1]
 
     def close(self) -> None:
@@ -172,6 +185,9 @@ def run_round(args: argparse.Namespace, tmp: Path, wall: dict[str, list[float]],
     dense = {**shared_fields(args), "intermediate_size": args.top_k * args.expert_intermediate}
     sides = {
         "moe": NanocoreSide(args, tmp / "moe", {"model_type": "mixtral", **moe_fields(args)}, args.steps + 1),
+        "moe_loop": NanocoreSide(
+            args, tmp / "moe_loop", {"model_type": "mixtral", **moe_fields(args)}, args.steps + 1, grouped=False
+        ),
         "dense": NanocoreSide(args, tmp / "dense", {"model_type": "llama", **dense}, args.steps + 1),
         "hf_mixtral": HFMixtralSide(args),
     }
@@ -223,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ratios = {
         "moe_over_dense": median["moe"] / median["dense"],
         "moe_over_hf_mixtral": median["moe"] / median["hf_mixtral"],
+        "grouped_over_loop": median["moe"] / median["moe_loop"],
     }
     print()
     for side in SIDES:
@@ -231,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{side:>10}: {median[side]:7.0f} tokens/s, {info[side]['parameters']:,} parameters{extra}")
     print(f"    ratio: moe / dense (same active parameters) = {ratios['moe_over_dense']:.3f}")
     print(f"           moe / transformers Mixtral loop       = {ratios['moe_over_hf_mixtral']:.3f}")
+    grouped = "torch._grouped_mm" if args.dtype == "bfloat16" else "none in float32: both sides loop"
+    print(f"           grouped / per-expert expert GEMMs     = {ratios['grouped_over_loop']:.3f} ({grouped})")
     results = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "torch": torch.__version__,

@@ -143,18 +143,40 @@ def attach_aux_loss(output: torch.Tensor, aux: torch.Tensor, scale: float) -> to
     return attached
 
 
+# False: one matmul per expert even where torch's grouped matmul runs (benchmarks compare the two paths)
+USE_GROUPED_MM = True
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Whether `expert_matmul` takes torch's grouped matmul for rows like `x`: bfloat16 on CUDA (where
+    the GPU has the kernel) and on CPU (torch >= 2.9 has a CPU kernel)."""
+    return (
+        USE_GROUPED_MM
+        and hasattr(torch, "_grouped_mm")
+        and x.dtype == torch.bfloat16
+        and x.device.type in ("cuda", "cpu")
+    )
+
+
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
+
+
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows of `x` grouped by expert (`counts[e]` rows for local expert e, in order) times each
-    expert's matrix: `weight` [experts, out, in] -> [rows, out]. One matmul per expert over all its
-    rows (torch's grouped matmul where it exists for the device and dtype), never a loop over tokens."""
-    grouped = getattr(torch, "_grouped_mm", None)
-    if grouped is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 0:
+    expert's matrix: `weight` [experts, out, in] -> [rows, out]. One grouped matmul for all experts
+    where torch has it for the device and dtype (`grouped_mm_supported`), else one matmul per expert
+    over all its rows; never a loop over tokens."""
+    if grouped_mm_supported(x) and x.shape[0] > 0:
         offsets = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         try:
-            product: torch.Tensor = grouped(x, weight.transpose(-2, -1), offs=offsets)
-            return product
+            product: torch.Tensor = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
         except RuntimeError:  # not supported on this GPU: fall back to one matmul per expert
             pass
+        else:
+            if product.requires_grad:  # its backward refuses a broadcast (stride 0) output gradient
+                product.register_hook(_contiguous)
+            return product
     parts = []
     # unbind, not weight[e]: indexing's backward would build a zero [experts, out, in] gradient per expert
     for part, w in zip(torch.split(x, counts, dim=0), weight.unbind(0), strict=True):

@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from nanocore.checkpoint.folder import begin_save, finish_save, load_rng, resolve_checkpoint, save_rng
+from nanocore.checkpoint.background import BackgroundWrite, host_copy, rng_bytes
+from nanocore.checkpoint.folder import begin_save, finish_save, load_rng, resolve_checkpoint, save_rng, step_folder
 from nanocore.checkpoint.meta import CheckpointMeta, Topology, write_meta
 from nanocore.checkpoint.tensors import ShardReader, write_shards
 from nanocore.checkpoint.verify import verify_for_resume
@@ -59,6 +60,7 @@ class Trainer:
         self.checkpoint_root = self.folders.checkpoints
         self.loggers: list[Any] = []
         self._closed = False
+        self._pending: BackgroundWrite | None = None  # an asynchronous checkpoint being written
         engine_entry = self.registries.parallel_engine.get(cfg.parallelism.engine)
         self.engine: Engine = engine_entry.factory(cfg, self.registries)
         try:
@@ -213,15 +215,24 @@ class Trainer:
         )
 
     def save_checkpoint(self) -> Path:
+        """Save this step (`checkpoints.async_save`: start saving it; the folder appears once every rank's
+        background write is done, see `nanocore.checkpoint.background`). Returns the step's folder."""
         engine, cfg = self.engine, self.config
+        background = cfg.checkpoints.async_save
+        if background:
+            self.wait_for_checkpoint()  # at most one save in flight
         # a write failing on one rank (a full disk) fails the save on every rank with one message
         tmp = begin_save(self.checkpoint_root, self.step, engine.is_main, engine.barrier, engine.all_ranks_ok)
         failure = None
         try:
-            rank_file = f"rank-{engine.rank:05d}.safetensors"
-            write_shards(tmp / "model" / rank_file, engine.model_shards())
-            write_shards(tmp / "optimizer" / rank_file, engine.optimizer_shards())
-            save_rng(tmp, engine.rank)
+            if background:
+                model, optimizer = host_copy(engine.model_shards()), host_copy(engine.optimizer_shards())
+                self._pending = BackgroundWrite(tmp, self.step, engine.rank, model, optimizer, rng_bytes())
+            else:
+                rank_file = f"rank-{engine.rank:05d}.safetensors"
+                write_shards(tmp / "model" / rank_file, engine.model_shards())
+                write_shards(tmp / "optimizer" / rank_file, engine.optimizer_shards())
+                save_rng(tmp, engine.rank)
             if engine.is_main:
                 par = cfg.parallelism
                 meta = CheckpointMeta(
@@ -239,20 +250,58 @@ class Trainer:
                 (tmp / "config.yaml").write_text(yaml.safe_dump(self._portable_config(), sort_keys=False))
         except Exception as exc:  # handed to finish_save, which tells every rank
             failure = exc
+        if background and failure is None:
+            return step_folder(self.checkpoint_root, self.step)
+        return self._seal(self.step, failure, part_written=False)
+
+    def _seal(self, step: int, failure: BaseException | None, part_written: bool) -> Path:
+        engine = self.engine
         folder = finish_save(
             self.checkpoint_root,
-            self.step,
+            step,
             engine.is_main,
             engine.barrier,
             rank=engine.rank,
             failure=failure,
             agree=engine.all_ranks_ok,
-            keep_last_n=cfg.checkpoints.keep_last_n,
+            keep_last_n=self.config.checkpoints.keep_last_n,
+            part_written=part_written,
         )
         if engine.is_main:
             log.info("saved checkpoint %s", folder)
-        self.plugins.hook.on_checkpoint_saved(step=self.step, path=folder, trainer=self)
+        self.plugins.hook.on_checkpoint_saved(step=step, path=folder, trainer=self)
         return folder
+
+    def _poll_checkpoint(self) -> None:
+        """While a background save is in flight: seal it once every rank has written its part (one small
+        agreement per step, the same on every rank)."""
+        pending = self._pending
+        if pending is not None and self.engine.all_ranks_ok(pending.done()):
+            self.wait_for_checkpoint()
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Wait for the background save in flight, if any, and seal it on every rank (a collective: every
+        rank calls it at the same point). Returns its folder."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        if self.engine.is_main and not pending.done():
+            log.info("waiting for the checkpoint of step %d to be written", pending.step)
+        pending.wait()
+        return self._seal(pending.step, pending.error, part_written=True)
+
+    def _abandon_checkpoint(self) -> None:
+        """The run stops on an error: let the background write finish (its thread joined) but do not seal
+        it, since the ranks may not be able to agree; `latest.txt` keeps naming the last complete save."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+            log.warning(
+                "the checkpoint of step %d written in the background was not completed (the run stopped on an "
+                "error); the latest complete checkpoint is the one %s names",
+                pending.step,
+                self.checkpoint_root / "latest.txt",
+            )
 
     def _portable_config(self) -> dict:
         """The config as trained, with local plugin files made absolute so the checkpoint stands alone."""
@@ -305,17 +354,21 @@ class Trainer:
                     saved = self._train_one_step(losses, interval)
                     if self._agree_to_stop(stops):
                         folder = saved or self.save_checkpoint()
+                        self.wait_for_checkpoint()
                         raise TrainingInterrupted(stops.signal_number or signal.SIGTERM, self.step, folder)
                 if cfg.checkpoints.save_final_state and not (
                     cfg.checkpoints.checkpoint_interval > 0 and self.step % cfg.checkpoints.checkpoint_interval == 0
                 ):
                     self.save_checkpoint()
+                self.wait_for_checkpoint()
         except Exception as exc:
+            self._abandon_checkpoint()
             explained = explain_collective_failure(exc, cfg.parallelism.collective_timeout_seconds)
             if explained is None:
                 raise
             raise explained from exc
         finally:
+            self._abandon_checkpoint()  # an exception that is not an Exception (KeyboardInterrupt) too
             self.plugins.hook.on_train_end(step=self.step, trainer=self)
             self._close_loggers()
         return losses
@@ -352,6 +405,7 @@ class Trainer:
             self.memory.reset()  # each row's peak is the peak since the previous row
         if self.validation is not None and step % cfg.tokens.val_check_interval == 0:
             self.validate()
+        self._poll_checkpoint()  # seal a background save once every rank has written its part
         saved = None
         every = cfg.checkpoints.checkpoint_interval
         if every > 0 and step % every == 0:
@@ -392,6 +446,7 @@ class Trainer:
     def close(self) -> None:
         """Close the loggers and shut the engine down (process groups destroyed, threads joined); idempotent."""
         self._close_loggers()
+        self._abandon_checkpoint()
         if not self._closed:
             self._closed = True
             self.engine.shutdown()

@@ -155,15 +155,17 @@ def finish_save(
     failure: BaseException | None = None,
     agree: Callable[[bool], bool] | None = None,
     keep_last_n: int | None = None,
+    part_written: bool = False,
 ) -> Path:
     """After every rank has written into the temporary folder: seal it with a manifest, flush it to
     disk, rename it and point latest.txt to it; then remove step folders beyond the newest `keep_last_n`.
 
     Every rank calls this, `failure` being what went wrong while it wrote its pieces, if anything.
+    `part_written`: this rank's files are already hashed and synced (`write_part`, by a background write).
     """
     tmp, final = tmp_folder(root, step), step_folder(root, step)
     error = failure
-    if error is None:
+    if error is None and not part_written:
         try:
             write_part(tmp, rank)  # hashes and fsyncs this rank's files
         except OSError as exc:

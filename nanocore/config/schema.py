@@ -34,6 +34,11 @@ class CheckpointsArgs:
     checkpoint_interval: int = doc("Save every N steps (0 = never, except save_final_state).", default=0)
     save_initial_state: bool = doc("Save step 0 before training.", default=False)
     save_final_state: bool = doc("Save after the last step.", default=True)
+    async_save: bool = doc(
+        "Write checkpoints in a background thread: the step that saves only copies its pieces to host memory; "
+        "latest.txt moves once every rank's files are on disk (docs/performance.md).",
+        default=False,
+    )
     resume_checkpoint_path: str | None = doc(
         "A checkpoints folder with latest.txt, or one step folder, to resume from; `latest` resumes from this run's "
         "own checkpoints_path when it holds a checkpoint and starts fresh when it is empty (rerun the same command "

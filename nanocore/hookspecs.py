@@ -51,6 +51,10 @@ class NanocoreSpecs:
         """Register tensor-parallel communication modes (`parallelism.tp_mode`)."""
 
     @hookspec
+    def register_float8_recipes(self, registry: Registry) -> None:
+        """Register FP8 training recipes (`model.float8_recipe`): `factory() -> Float8Recipe` (nanocore.float8_api)."""
+
+    @hookspec
     def register_optimizers(self, registry: Registry) -> None:
         """Register optimizers (`optimizer.optimizer_factory.name`):
         `factory(param_groups, args, *, lr, weight_decay, device) -> torch.optim.Optimizer`."""

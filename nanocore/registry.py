@@ -186,6 +186,9 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
         deprecated_hooks=("register_pipeline_engines",),
     ),
     "tp_mode": RegistryKind("register_tp_modes", "factory() -> TPMode (nanocore.tp_api)", {"check": _CHECK}),
+    "float8_recipe": RegistryKind(
+        "register_float8_recipes", "factory() -> Float8Recipe (nanocore.float8_api)", {"check": _CHECK}
+    ),
     "optimizer": RegistryKind(
         "register_optimizers",
         "factory(param_groups, args, *, lr, weight_decay, device) -> torch.optim.Optimizer",
@@ -244,6 +247,7 @@ class Registries:
     parallel_engine: Registry
     pipeline_schedule: Registry
     tp_mode: Registry
+    float8_recipe: Registry
     optimizer: Registry
     lr_decay: Registry
     zero_stage: Registry

@@ -16,12 +16,16 @@ Built-in implementations: `nanocore_plugins.tp_modes` (`ALL_REDUCE`, `REDUCE_SCA
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 Group = dist.ProcessGroup | None  # None (or a group of one rank) means no tensor parallelism
+
+# (x [..., in], weight [out, in], bias [out] or None) -> [..., out]: what `F.linear` computes
+LinearFunction: TypeAlias = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 @runtime_checkable
@@ -38,9 +42,12 @@ class TPMode(Protocol):
         bias: torch.Tensor | None,
         group: Group,
         async_communication: bool = False,
+        linear: LinearFunction | None = None,
     ) -> torch.Tensor:
         """`weight` holds this rank's output rows; `x` is the layer input as it flows between blocks in
-        this mode. Returns this rank's output columns for the whole (gathered) sequence."""
+        this mode. Returns this rank's output columns for the whole (gathered) sequence. `linear`, when
+        given (an FP8 recipe's, `nanocore.float8_api`), computes `x @ weight.T + bias` in place of
+        `F.linear`; it is never given with `async_communication`."""
         ...
 
     def row_linear(
@@ -50,9 +57,11 @@ class TPMode(Protocol):
         bias: torch.Tensor | None,
         group: Group,
         async_communication: bool = False,
+        linear: LinearFunction | None = None,
     ) -> torch.Tensor:
         """`weight` holds this rank's input columns; `bias` is replicated and added once, after the
-        reduction. Returns the output as it flows between blocks in this mode."""
+        reduction. Returns the output as it flows between blocks in this mode. `linear`: as in
+        `column_linear` (called without the bias, which is added after the reduction)."""
         ...
 
     def after_embedding(self, y_partial: torch.Tensor, group: Group) -> torch.Tensor:

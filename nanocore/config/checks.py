@@ -6,6 +6,7 @@ Plugins add their own: a config class may define `check(self, config) -> list[st
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from nanocore.config.schema import Config
@@ -103,6 +104,16 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
                 f"parallelism.tp_mode: {par.tp_mode!r} (plugin {tp_mode.plugin}) builds {mode!r}, which lacks "
                 f"{', '.join(missing) or 'the TPMode interface'}; a TP mode implements nanocore.tp_api.TPMode"
             )
+    if config.model.float8_recipe is not None:
+        recipe = lookup("float8_recipe", config.model.float8_recipe, "model.float8_recipe")
+        p += _plugin_checks("model", None, recipe, config)
+        if tp_mode is not None and par.tp > 1:
+            takes = inspect.signature(tp_mode.factory().column_linear).parameters
+            if "linear" not in takes:
+                p.append(
+                    f"model.float8_recipe: parallelism.tp_mode {par.tp_mode!r} (plugin {tp_mode.plugin}) does not "
+                    "take the `linear` argument of nanocore.tp_api.TPMode.column_linear that FP8 needs"
+                )
     zero = registries.zero_stage
     if str(opt.zero_stage) not in zero:
         installed = ", ".join(zero.names()) or "none"

@@ -127,6 +127,16 @@ class ModelArgs:
     )
     make_vocab_size_divisible_by: int = doc("Pad the vocabulary to a multiple of this times tp.", default=1)
     ddp_bucket_cap_mb: int = doc("Gradient bucket size for data-parallel reduction.", default=25)
+    float8_recipe: str | None = doc(
+        "Train linear layers' matmuls in FP8 with this recipe: tensorwise or rowwise (null: off). Outputs, "
+        "gradients and weights stay in `dtype` (docs/performance.md).",
+        default=None,
+    )
+    float8_skip: list[str] | None = doc(
+        "Module names (fnmatch patterns) kept in high precision under float8_recipe; null: the output head "
+        "(the module the model's TP plan marks lm_head). Embeddings, routers and experts are never FP8.",
+        default=None,
+    )
     compile: bool = doc(
         "Compile each pipeline block (each decoder layer; the embedding; the final norm and head) and the loss "
         "with torch.compile, regionally: layers of one shape share one compiled graph (docs/performance.md).",

@@ -23,6 +23,7 @@ from nanocore.config import Config
 from nanocore.dtypes import resolve_dtype
 from nanocore.engine_api import MemoryEstimate, ReplicaGroup, StepOutput, TrainableParam, ZeroOptimizer
 from nanocore.errors import PluginError
+from nanocore.float8_api import Float8Recipe
 from nanocore.moe_api import MoELayer
 from nanocore.registry import Entry, Registries
 from nanocore.sharding import get_placement
@@ -36,6 +37,7 @@ from .data_parallel_zero2 import ShardedGradients
 from .data_parallel_zero3 import ShardedParameters
 from .expert_parallel import ExpertParallel, is_expert
 from .expert_statistics import StepRoutingStatistics
+from .float8 import apply_float8
 from .grad_norm import global_grad_norm
 from .grid import ProcessGrid
 from .loss import language_model_loss
@@ -70,6 +72,8 @@ class ParallelEngine:
         self.schedule = registries.pipeline_schedule.get(par.pp_engine).factory(config)
         # a mode that does not implement TPMode is refused when the config is checked (nanocore.config.checks)
         self.tp_mode: TPMode | None = registries.tp_mode.get(par.tp_mode).factory() if par.tp > 1 else None
+        recipe = config.model.float8_recipe
+        self.float8: Float8Recipe | None = registries.float8_recipe.get(recipe).factory() if recipe else None
         # the ranks holding the same weights: data x context parallel, or expert-data-parallel for experts
         self.dcp = ReplicaGroup(grid.dcp_group, grid.dcp_rank, grid.dcp)
         self.edp = ReplicaGroup(grid.edp_group, grid.edp_rank, grid.edp)
@@ -114,6 +118,8 @@ class ParallelEngine:
         model = meta_model(entry, model_args, vocab_multiple=model_args.make_vocab_size_divisible_by * grid.tp)
         if grid.tp > 1:
             tp_parallelize(model, model.tp_plan, grid.tp_group, self.tp_mode, par.tp_linear_async_communication)
+        if self.float8 is not None:
+            apply_float8(model, self.float8, self.config.model.float8_skip, grid.tp_group if grid.tp > 1 else None)
         local = self.local = build_local_model(
             model,
             seed=seed,

@@ -23,7 +23,7 @@ from torch import nn
 
 from nanocore.errors import ConfigError, PluginError
 from nanocore.sharding import Placement, set_placement
-from nanocore.tp_api import Group, TPMode
+from nanocore.tp_api import Group, LinearFunction, TPMode
 
 STYLES = ("colwise", "rowwise", "colwise_kv", "vocab_embedding", "lm_head")
 
@@ -90,6 +90,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.full_out_features, self.out_start, self.replicas = full_out_features, out_start, replicas
         self.group, self.tp_mode, self.async_communication = group, tp_mode, async_communication
+        self.linear: LinearFunction | None = None  # set by `float8.apply_float8`: FP8 matmuls
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, out_start: int, out_len: int, *, weight=None, **kwargs):
@@ -103,6 +104,8 @@ class ColumnParallelLinear(nn.Module):
 
     @_eager_in_compiled_blocks
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.linear is not None:  # an FP8 recipe's matmuls (model.float8_recipe)
+            return self.tp_mode.column_linear(x, self.weight, self.bias, self.group, linear=self.linear)
         return self.tp_mode.column_linear(x, self.weight, self.bias, self.group, self.async_communication)
 
     def extra_repr(self) -> str:
@@ -144,6 +147,7 @@ class RowParallelLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.full_in_features, self.in_start = full_in_features, in_start
         self.group, self.tp_mode, self.async_communication = group, tp_mode, async_communication
+        self.linear: LinearFunction | None = None  # set by `float8.apply_float8`: FP8 matmuls
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, in_start: int, in_len: int, **kwargs):
@@ -156,6 +160,8 @@ class RowParallelLinear(nn.Module):
 
     @_eager_in_compiled_blocks
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.linear is not None:
+            return self.tp_mode.row_linear(x, self.weight, self.bias, self.group, linear=self.linear)
         return self.tp_mode.row_linear(x, self.weight, self.bias, self.group, self.async_communication)
 
     def extra_repr(self) -> str:

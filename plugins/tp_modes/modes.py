@@ -13,7 +13,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from nanocore.tp_api import Group
+from nanocore.tp_api import Group, LinearFunction
 from nanocore_plugins.tp_modes.comm import group_size
 from nanocore_plugins.tp_modes.functions import (
     ColumnLinearOverlapped,
@@ -75,15 +75,26 @@ class _CollectiveMode:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-    def column_linear(self, x, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
+    def column_linear(
+        self, x, weight, bias, group: Group, async_communication: bool = False, linear: LinearFunction | None = None
+    ) -> torch.Tensor:
+        linear = linear or F.linear
         if group_size(group) == 1:
-            return F.linear(x, weight, bias)
+            return linear(x, weight, bias)
         if async_communication and torch.is_grad_enabled():
             return self._overlapped_column.apply(x, weight, bias, group)
-        return F.linear(self._shared.get(x, group, lambda: self._input_op.apply(x, group)), weight, bias)
+        return linear(self._shared.get(x, group, lambda: self._input_op.apply(x, group)), weight, bias)
 
-    def row_linear(self, x_local, weight, bias, group: Group, async_communication: bool = False) -> torch.Tensor:
-        y = F.linear(x_local, weight)
+    def row_linear(
+        self,
+        x_local,
+        weight,
+        bias,
+        group: Group,
+        async_communication: bool = False,
+        linear: LinearFunction | None = None,
+    ) -> torch.Tensor:
+        y = (linear or F.linear)(x_local, weight, None)
         if group_size(group) > 1:
             y = self._output_op.apply(y, group)
         return y + bias if bias is not None else y

@@ -28,6 +28,7 @@ ERROR = "nanocore: error: "
 # Entry point name -> the hooks it implements (pyproject.toml's [project.entry-points.nanocore]).
 BUILTIN_HOOKS = {
     "data": ["register_commands", "register_dataset_formats"],
+    "float8": ["register_float8_recipes"],
     "llama": ["register_models"],
     "loggers": ["register_loggers"],
     "optim": ["register_lr_decays", "register_optimizers"],

@@ -84,11 +84,11 @@ def test_bfloat16_grouped_expert_gemms_at_ep2_match_one_process(tmp_path):
     """In bfloat16 the experts run through torch's grouped matmul (`nanocore.moe_api.expert_matmul`;
     on this CPU too). ep2 hands each expert the rows of both data-parallel ranks in one matmul, where
     one process runs them a micro-batch at a time, so the bfloat16 products round differently;
-    nothing else changes. Tolerances for that reordering in bfloat16 (8 significant bits to float32's
-    24: its rounding is 2^16 times larger): each step's loss within 1e-3 relative (measured 9.6e-5: the loss is a float32 mean over
-    all tokens, which averages the rounding), the trained weights within 5e-2 of their norm (measured
-    2.0e-2: Adam turns the rounding of near-zero gradients into whole steps, as `norm_rel_diff`
-    explains)."""
+    nothing else changes. Tolerances for that reordering in bfloat16 (8 significant bits to
+    float32's 24: its rounding is 2^16 times larger): each step's loss within 1e-3 relative
+    (measured 9.6e-5: the loss is a float32 mean over all tokens, which averages the rounding), the
+    trained weights within 5e-2 of their norm (measured 2.0e-2: Adam turns the rounding of near-zero
+    gradients into whole steps, as `norm_rel_diff` explains)."""
     from tests.helpers.compare import rel_diff
 
     def bf16(tmp, par):

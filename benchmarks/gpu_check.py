@@ -1,6 +1,7 @@
 """GPU path check: one prepared script for a machine with NVIDIA GPUs (NCCL, bfloat16, SDPA).
 
-    python benchmarks/gpu_check.py                 # 1-GPU run: throughput, MFU, peak memory
+    python benchmarks/gpu_check.py                 # 1-GPU runs: eager, model.compile, FP8 (tensorwise,
+                                                   # rowwise), compile + FP8: throughput, MFU, peak memory
     python benchmarks/gpu_check.py --multi-rank    # also a torchrun dp/tp/pp run when >= 2 GPUs
 
 Prints one JSON line per run, to paste into benchmarks/RESULTS.md. On a CPU-only machine it says
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def config(tmp: Path, args, par: dict | None = None) -> dict:
+def config(tmp: Path, args, par: dict | None = None, model_extra: dict | None = None) -> dict:
     from tests.helpers.training import tiny_config
 
     model = {
@@ -39,7 +40,7 @@ def config(tmp: Path, args, par: dict | None = None) -> dict:
     }
     return tiny_config(
         tmp,
-        model={"model_config": model, "dtype": "bfloat16"},
+        model={"model_config": model, "dtype": "bfloat16", **(model_extra or {})},
         tokens={
             "sequence_length": args.seq,
             "train_steps": args.steps,
@@ -52,7 +53,17 @@ def config(tmp: Path, args, par: dict | None = None) -> dict:
     )
 
 
-def single_gpu(args) -> dict:
+# the 1-GPU variants: label -> model settings (`model.compile`, `model.float8_recipe`)
+VARIANTS = {
+    "eager": {},
+    "compile": {"compile": True},
+    "fp8 tensorwise": {"float8_recipe": "tensorwise"},
+    "fp8 rowwise": {"float8_recipe": "rowwise"},
+    "compile + fp8 tensorwise": {"compile": True, "float8_recipe": "tensorwise"},
+}
+
+
+def single_gpu(args, label: str = "eager") -> dict:
     from nanocore.config.checks import check_config
     from nanocore.config.converter import structure_config
     from nanocore.config.load import LoadedConfig
@@ -61,7 +72,7 @@ def single_gpu(args) -> dict:
 
     tmp = Path(tempfile.mkdtemp())
     plugins = load_plugins()
-    cfg = structure_config(config(tmp, args), plugins.registries)
+    cfg = structure_config(config(tmp, args, model_extra=VARIANTS[label]), plugins.registries)
     check_config(cfg, plugins.registries, 1)
     trainer = Trainer(LoadedConfig(cfg, plugins, None))
     torch.cuda.reset_peak_memory_stats()
@@ -72,11 +83,12 @@ def single_gpu(args) -> dict:
     steady = rows[len(rows) // 2 :]
     trainer.close()
     return {
-        "run": "1 GPU",
+        "run": f"1 GPU, {label}",
         "device": torch.cuda.get_device_name(),
         "dtype": "bfloat16",
         "params_M": round(sum(p.numel() for p in trainer.engine.model.parameters()) / 1e6, 1),
         "tokens_per_sec": round(sum(r["tokens_per_sec"] for r in steady) / len(steady)),
+        "first_step_s": round(args.micro_batch_size * args.accumulation * args.seq / rows[0]["tokens_per_sec"], 1),
         "mfu": round(sum(r.get("mfu", 0) for r in steady) / len(steady), 3),
         "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "first_loss": round(losses[0], 4),
@@ -123,7 +135,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         print(json.dumps({"run": "skipped", "reason": "no CUDA device on this machine"}))
         return
-    print(json.dumps(single_gpu(args)), flush=True)
+    for label in VARIANTS:
+        print(json.dumps(single_gpu(args, label)), flush=True)
     if args.multi_rank:
         if torch.cuda.device_count() < 2:
             print(json.dumps({"run": "multi-rank skipped", "reason": "NCCL needs one GPU per rank; 1 GPU here"}))

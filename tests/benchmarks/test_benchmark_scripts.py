@@ -66,3 +66,43 @@ def test_gpu_check_says_when_there_is_no_gpu():
     import torch
 
     assert line["run"] == ("skipped" if not torch.cuda.is_available() else "1 GPU")
+
+
+TINY = ["--hidden", "32", "--heads", "4", "--layers", "1", "--vocab", "64", "--seq", "16"]
+
+
+def _run_script(name: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_compile_throughput_runs_all_four_sides(tmp_path):
+    out = tmp_path / "compile.json"
+    args = [*TINY, "--steps", "2", "--rounds", "1", "--micro-batch-size", "1", "--accumulation", "1"]
+    result = _run_script("compile_throughput.py", [*args, "--keep-cache", "--no-memory", "--json", str(out)], tmp_path)
+    figures = json.loads(out.read_text())
+    assert set(figures["tokens_per_s"]) == {
+        "nanocore eager",
+        "nanocore compiled",
+        "transformers eager",
+        "transformers compiled",
+    }
+    assert "nanocore compiled / eager" in result.stdout
+
+
+@pytest.mark.slow
+def test_async_checkpoint_times_both_modes(tmp_path):
+    out = tmp_path / "async.json"
+    args = [*TINY, "--steps", "4", "--interval", "2", "--rounds", "1", "--micro-batch-size", "1", "--threads", "1"]
+    result = _run_script("async_checkpoint.py", [*args, "--json", str(out)], tmp_path)
+    figures = json.loads(out.read_text())
+    assert figures["save_call_s"]["sync"] > 0 and figures["save_call_s"]["async"] > 0
+    assert "ratio async / sync" in result.stdout

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from nanocore.checkpoint.background import BackgroundWrite, host_copy, rng_bytes
+from nanocore.checkpoint.background import BackgroundWrite, HostBuffers, rng_bytes
 from nanocore.checkpoint.folder import begin_save, finish_save, load_rng, resolve_checkpoint, save_rng, step_folder
 from nanocore.checkpoint.meta import CheckpointMeta, Topology, write_meta
 from nanocore.checkpoint.tensors import ShardReader, write_shards
@@ -61,6 +61,7 @@ class Trainer:
         self.loggers: list[Any] = []
         self._closed = False
         self._pending: BackgroundWrite | None = None  # an asynchronous checkpoint being written
+        self._host_model, self._host_optimizer = HostBuffers(), HostBuffers()  # its copies (async_save)
         engine_entry = self.registries.parallel_engine.get(cfg.parallelism.engine)
         self.engine: Engine = engine_entry.factory(cfg, self.registries)
         try:
@@ -226,7 +227,8 @@ class Trainer:
         failure = None
         try:
             if background:
-                model, optimizer = host_copy(engine.model_shards()), host_copy(engine.optimizer_shards())
+                model = self._host_model.copy(engine.model_shards())
+                optimizer = self._host_optimizer.copy(engine.optimizer_shards())
                 self._pending = BackgroundWrite(tmp, self.step, engine.rank, model, optimizer, rng_bytes())
             else:
                 rank_file = f"rank-{engine.rank:05d}.safetensors"

@@ -126,7 +126,9 @@ _real = background.write_shards
 def _slow(path, shards):
     step = int(path.parent.parent.name.removeprefix(".tmp-"))
     if step >= int(os.environ["SLOW_FROM"]):
-        Path(os.environ["SLOW_MARK"]).write_text(str(step))
+        mark = Path(os.environ["SLOW_MARK"])
+        mark.with_suffix(".tmp").write_text(str(step))
+        os.replace(mark.with_suffix(".tmp"), mark)  # whole or absent: the test may kill us right after
         time.sleep(float(os.environ["SLOW_SECONDS"]))
     _real(path, shards)
 

@@ -166,16 +166,23 @@ def wait_for(mark: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.slow
-def test_kill_9_during_a_background_write_leaves_the_last_complete_checkpoint(tmp_path):
-    mark = tmp_path / "writing"
-    proc = start_run(tmp_path, mark, seconds=600)
+def signal_while_writing(tmp: Path, sig: signal.Signals, seconds: float, timeout: float) -> tuple[Path, int, str]:
+    """Start a run whose background write of step 4 takes `seconds`, send `sig` during that write,
+    and return (the write's mark, the exit code, the output)."""
+    mark = tmp / "writing"
+    proc = start_run(tmp, mark, seconds=seconds)
     try:
         wait_for(mark, proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
+        proc.send_signal(sig)
+        output, _ = proc.communicate(timeout=timeout)
     finally:
         proc.kill()
+    return mark, proc.returncode, output
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_background_write_leaves_the_last_complete_checkpoint(tmp_path):
+    mark, _, _ = signal_while_writing(tmp_path, signal.SIGKILL, seconds=600, timeout=60)
     root = tmp_path / "checkpoints"
     assert int(mark.read_text()) == 4
     assert (root / "latest.txt").read_text().strip() == "2"
@@ -191,15 +198,8 @@ def test_kill_9_during_a_background_write_leaves_the_last_complete_checkpoint(tm
 
 @pytest.mark.slow
 def test_sigterm_during_a_background_write_waits_for_it_and_saves(tmp_path):
-    mark = tmp_path / "writing"
-    proc = start_run(tmp_path, mark, seconds=3)
-    try:
-        wait_for(mark, proc)
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    _, returncode, output = signal_while_writing(tmp_path, signal.SIGTERM, seconds=3, timeout=120)
+    assert returncode == 128 + signal.SIGTERM, output[-3000:]
     root = tmp_path / "checkpoints"
     stopped = int((root / "latest.txt").read_text())
     assert stopped >= 4

@@ -364,13 +364,12 @@ class Trainer:
                     self.save_checkpoint()
                 self.wait_for_checkpoint()
         except Exception as exc:
-            self._abandon_checkpoint()
             explained = explain_collective_failure(exc, cfg.parallelism.collective_timeout_seconds)
             if explained is None:
                 raise
             raise explained from exc
         finally:
-            self._abandon_checkpoint()  # an exception that is not an Exception (KeyboardInterrupt) too
+            self._abandon_checkpoint()  # any way out, KeyboardInterrupt too: a write in flight is finished, not sealed
             self.plugins.hook.on_train_end(step=self.step, trainer=self)
             self._close_loggers()
         return losses

@@ -3,10 +3,12 @@
 The persistent buffer holds, per bucket, this rank's rows (`row_share`) of each of the bucket's
 parameters, padded to the largest rank's share. During backward, autograd's fresh gradient of a
 parameter is added into a bucket-sized staging buffer laid out rank-major (every rank's rows in
-that rank's segment) and freed; once a bucket has all its gradients of this backward, one
-`reduce_scatter_single` sums it over the replica group and leaves each rank its own segment, which
-is added into the buffer. One reduction is in flight at a time (the previous one completes when the
-next starts), so besides autograd's fresh gradients a rank holds about two buckets of staging.
+that rank's segment) and freed; a bucket of one parameter whose rows split evenly (the embedding,
+the output head) reduces autograd's gradient itself, which is already laid out so. Once a bucket
+has all its gradients of this backward, one `reduce_scatter_single` sums it over the replica group
+and leaves each rank its own segment, which is added into the buffer. One reduction is in flight
+at a time (the previous one completes when the next starts), so besides autograd's fresh gradients
+a rank holds about two buckets of staging.
 
 Unlike the replicated buffers (one all-reduce per step, in the last backward), every backward is
 reduced: gradients of several micro-batches cannot be summed locally without keeping them whole.
@@ -58,6 +60,9 @@ class _ShardBucket:
         for q, segment in enumerate(self.segments):
             for i, start, rows, at in segment:
                 self.places[i].append((q * self.width + at, start, rows))
+        # one parameter whose ranks' rows are equal: its gradient, flattened, is already laid out rank-major
+        # and is reduced as it is, without a staging copy (an embedding's or output head's: the largest)
+        self.direct = len(params) == 1 and size * self.width == math.prod(shapes[0]) and shapes[0] != ()
         self.staging: torch.Tensor | None = None
         self.out: torch.Tensor | None = None
         self.handle = None
@@ -136,6 +141,10 @@ class ShardedGradBuffers:
         bucket = self.bucket_of[id(p)]
         if bucket.handle is not None:  # reduced earlier in this backward (a parameter used by two chunks)
             self._complete(bucket)
+        if bucket.staging is None and bucket.direct and grad.dtype == self.dtype and grad.is_contiguous():
+            bucket.staging, bucket.pending = grad.view(-1), set()
+            self._launch(bucket)
+            return
         if bucket.staging is None:
             bucket.staging = torch.zeros(bucket.size * bucket.width, dtype=self.dtype, device=self.device)
             bucket.pending = {id(q) for q in bucket.params}

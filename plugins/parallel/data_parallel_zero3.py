@@ -30,23 +30,26 @@ from .data_parallel_zero2 import ShardedGradients
 
 
 class _BlockGather:
-    """The layout of one block's all-gather: each rank's rows of each parameter, side by side."""
+    """One block's parameters of one replica group, each gathered by its own all-gather of every
+    rank's rows padded to the largest share: where the shares line up with the padding (rows divisible
+    by the group size, the usual case) the gathered buffer *is* the whole parameter, so a gather
+    allocates the block once and copies nothing; otherwise the rows are copied out of it."""
 
     def __init__(self, params: list[nn.Parameter], size: int, rank: int, group):
         self.params, self.size, self.rank, self.group = params, size, rank, group
         self.row_numel = [_rows_view_numel(p) for p in params]
-        self.places: list[list[tuple[int, int, int]]] = []  # per rank: (offset, start row, rows) of each param
-        widths = []
-        for q in range(size):
-            offset, place = 0, []
-            for p, per_row in zip(params, self.row_numel, strict=True):
-                start, rows = row_share(tuple(p.zero3_shape), size, q)
-                place.append((offset, start, rows))
-                offset += rows * per_row
-            self.places.append(place)
-            widths.append(offset)
-        self.width = max(widths)
-        self.pending = None  # (work, out) of a prefetch
+        self.padded_rows: list[int] = []  # rows each rank sends of each parameter
+        self.in_place: list[bool] = []  # rank q's rows start at q * padded_rows: the buffer is the tensor
+        for p in params:
+            shares = [row_share(tuple(p.zero3_shape), size, q) for q in range(size)]
+            padded = max(rows for _, rows in shares)
+            self.padded_rows.append(padded)
+            self.in_place.append(all(start == q * padded for q, (start, _) in enumerate(shares)))
+        self.pending = None  # the (work, out, send) of each parameter's prefetched all-gather
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(torch.Size(shape).numel())
 
 
 def _rows_view_numel(p: nn.Parameter) -> int:
@@ -142,44 +145,49 @@ class ShardedParams:
             for block in row:
                 for gather in block:
                     if gather.pending is not None:
-                        gather.pending[0].wait()
+                        for work, _, _ in gather.pending:
+                            if work is not None:
+                                work.wait()
                         gather.pending = None
         for p in self.params:
             self._free(p)
 
-    def _start(self, gather: _BlockGather, async_op: bool = False):
-        if not gather.params:
-            return None, None
-        dtype, device = gather.params[0].dtype, gather.params[0].device
-        send = torch.zeros(gather.width, dtype=dtype, device=device)
-        for p, (offset, _, rows), per_row in zip(
-            gather.params, gather.places[gather.rank], gather.row_numel, strict=True
-        ):
-            send[offset : offset + rows * per_row].copy_(p.zero3_shard.reshape(-1))
-        if gather.size == 1:
-            return None, send
-        out = torch.empty(gather.width * gather.size, dtype=dtype, device=device)
-        work = all_gather_single(out, send, group=gather.group, async_op=async_op)
-        return (work if async_op else None), out
+    def _start(self, gather: _BlockGather, async_op: bool = False) -> list:
+        started = []
+        for p, padded, per_row in zip(gather.params, gather.padded_rows, gather.row_numel, strict=True):
+            shard = p.zero3_shard.reshape(-1)
+            if shard.numel() != padded * per_row:  # fewer rows than the largest share: pad
+                send = torch.zeros(padded * per_row, dtype=p.dtype, device=p.device)
+                send[: shard.numel()].copy_(shard)
+            else:
+                send = shard
+            if gather.size == 1:
+                started.append((None, send, send))
+                continue
+            out = torch.empty(padded * per_row * gather.size, dtype=p.dtype, device=p.device)
+            work = all_gather_single(out, send, group=gather.group, async_op=async_op)
+            started.append((work if async_op else None, out, send))  # send lives until the gather is done
+        return started
 
-    def _finish(self, gather: _BlockGather, started) -> None:
-        work, out = started
-        if out is None:
-            return
-        if work is not None:
-            work.wait()
-        for i, p in enumerate(gather.params):
+    def _finish(self, gather: _BlockGather, started: list) -> None:
+        for i, (p, (work, out, _)) in enumerate(zip(gather.params, started, strict=True)):
+            if work is not None:
+                work.wait()
             if p.zero3_whole:
                 continue
-            full = torch.empty(p.zero3_shape, dtype=p.dtype, device=p.device)
-            rows_of = full.reshape(1) if full.dim() == 0 else full
-            for q in range(gather.size):
-                offset, start, rows = gather.places[q][i]
-                if rows:
-                    base = q * gather.width + offset
-                    piece = out[base : base + rows * gather.row_numel[i]]
-                    rows_of.narrow(0, start, rows).copy_(piece.view(rows, *rows_of.shape[1:]))
-            p.data = full
+            shape, numel = p.zero3_shape, _numel(p.zero3_shape)
+            if gather.in_place[i]:
+                p.data = out[:numel].view(shape)
+            else:
+                full = torch.empty(shape, dtype=p.dtype, device=p.device)
+                rows_of = full.reshape(1) if full.dim() == 0 else full
+                chunk = gather.padded_rows[i] * gather.row_numel[i]
+                for q in range(gather.size):
+                    start, rows = row_share(tuple(shape), gather.size, q)
+                    if rows:
+                        piece = out[q * chunk : q * chunk + rows * gather.row_numel[i]]
+                        rows_of.narrow(0, start, rows).copy_(piece.view(rows, *rows_of.shape[1:]))
+                p.data = full
             p.zero3_whole = True
 
     def close(self) -> None:

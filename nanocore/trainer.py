@@ -33,7 +33,7 @@ from nanocore.errors import NanocoreError, TrainingError, TrainingInterrupted, e
 from nanocore.hf_interop import init_reader, is_hf_folder
 from nanocore.logging_api import LoggerContext
 from nanocore.lr_schedule import LRSchedule
-from nanocore.memory import MemoryMeter
+from nanocore.memory import MemoryMeter, return_freed_memory
 from nanocore.mfu import mfu, peak_flops_per_device
 from nanocore.plugins import is_plugin_file
 from nanocore.run_folders import clear_for_overwrite, plan_run_folders
@@ -74,6 +74,7 @@ class Trainer:
 
     def _build(self) -> None:
         cfg, engine = self.config, self.engine
+        return_freed_memory()  # freed host buffers leave the resident set (nanocore/memory.py)
         self.memory = MemoryMeter(engine.device)  # after start-up, before the run holds anything
         self.tokenizer = build_tokenizer(cfg.tokenizer, self.registries)
         if cfg.tokens.document_masking:

@@ -25,7 +25,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -108,7 +107,10 @@ def run_side(side: str, args: argparse.Namespace, plugins, clock: StepClock, tmp
 def memory_probe(side: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from nanocore.memory import return_freed_memory
     from nanocore.plugins import load_plugins
+
+    return_freed_memory()  # what nanocore's trainer does at start-up, for the baseline sides too
 
     plugins = load_plugins()
     clock = StepClock()
@@ -134,13 +136,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         i = argv.index("--probe")
         probe, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
     args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    tt.use_device(args)
     import torch
 
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.set_num_threads(args.threads)
     if probe is not None:
         print("MEMORY " + json.dumps(memory_probe(probe, args)), flush=True)
         return {}
@@ -178,12 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     memory: dict[str, float] = {}
     if not args.no_memory:
         for side in SIDES:
-            cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--device", args.device, "--probe", side]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("MEMORY ")), None)
-            if proc.returncode != 0 or line is None:
-                raise RuntimeError(f"memory probe {side} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-            memory[side] = json.loads(line[len("MEMORY ") :])["peak_mib"]
+            memory[side] = tt.probe_memory(__file__, argv, args.device, "--probe", side)["peak_mib"]
     rate = {s: tokens / statistics.median(steady[s]) for s in SIDES}
     print(f"\n{'side':>22} {'tokens/s':>9} {'first step s':>13} {'peak MiB':>9}")
     for s in SIDES:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import OPTIMIZER, SEED, nanocore_config  # noqa: E402  (the same config and AdamW)
+from train_throughput import OPTIMIZER, SEED, adamw, nanocore_config, use_device  # noqa: E402  (the same config and AdamW)
 
 SIDES = ("moe", "moe_loop", "dense", "hf_mixtral")
 
@@ -143,17 +142,7 @@ class HFMixtralSide:
         config = MixtralConfig(**moe_fields(args), output_router_logits=True, tie_word_embeddings=False)
         model = MixtralForCausalLM(config).to(device=self.device, dtype=getattr(torch, args.dtype))
         self.model = model.train()
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": [p for p in model.parameters() if p.dim() >= 2]},
-                {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
-            ],
-            lr=OPTIMIZER["lr"],
-            betas=OPTIMIZER["betas"],
-            eps=OPTIMIZER["eps"],
-            weight_decay=OPTIMIZER["weight_decay"],
-            fused=None if args.no_fused else True,
-        )
+        self.optimizer = adamw(model, fused=None if args.no_fused else True)
         self.generator = torch.Generator().manual_seed(SEED)
         self.params = sum(p.numel() for p in model.parameters())
 
@@ -210,13 +199,9 @@ def run_round(args: argparse.Namespace, tmp: Path, wall: dict[str, list[float]],
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    use_device(args)
     import torch
 
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.set_num_threads(args.threads)
     tokens_per_step = args.micro_batch_size * args.accumulation * args.seq
     print(
         f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} thread(s), {args.dtype}; hidden "

@@ -132,6 +132,45 @@ def nanocore_config(args: argparse.Namespace, tmp: Path, steps: int) -> dict[str
     }
 
 
+def adamw(model, **options):
+    """The baselines' AdamW: `OPTIMIZER`'s settings, weight decay on matrices only (as nanocore's)."""
+    import torch
+
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in model.parameters() if p.dim() >= 2]},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=OPTIMIZER["lr"],
+        betas=OPTIMIZER["betas"],
+        eps=OPTIMIZER["eps"],
+        weight_decay=OPTIMIZER["weight_decay"],
+        **options,
+    )
+
+
+def use_device(args: argparse.Namespace) -> None:
+    """Apply `--device` (None: CUDA when there is one) and `--threads` before torch is used."""
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # nanocore's engine takes a GPU whenever it sees one
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_num_threads(args.threads)
+
+
+def probe_memory(script: str, argv: list[str], device: str, flag: str, side: str) -> dict[str, Any]:
+    """Run `script argv --device device flag side` in a fresh process and return the JSON it prints
+    on its `MEMORY ` line (one process per side: each side's peak is its own)."""
+    cmd = [sys.executable, str(Path(script).resolve()), *argv, "--device", device, flag, side]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("MEMORY ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"memory probe for {side} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("MEMORY ") :])
+
+
 def transformers_llama(config, reference):
     """transformers' LlamaForCausalLM of the same shape, holding `reference`'s weights (nanocore's
     starting weights through the Hugging Face conversion), SDPA attention."""
@@ -156,32 +195,20 @@ class PlainLoop:
 
         from nanocore_plugins.llama.config import LlamaConfig
         from nanocore_plugins.llama.model import LlamaForCausalLM
-        from nanocore_plugins.parallel.build import param_seed
+        from nanocore_plugins.parallel.build import initialise_whole
 
         self.args = args
         self.device = torch.device(args.device)
         fields = {k: v for k, v in model_fields(args).items() if k != "model_type"}
         config = LlamaConfig(**fields)
         model = LlamaForCausalLM(config, init_std=0.02)
-        with torch.no_grad():  # nanocore's starting weights: not needed for speed, makes losses comparable
-            for name, p in model.named_parameters():
-                model.init_parameter(name, p, torch.Generator().manual_seed(param_seed(SEED, name)))
+        initialise_whole(model, SEED)  # nanocore's starting weights, as every layout's
         self.transformers = args.baseline == "transformers"
         if self.transformers:
             model = transformers_llama(config, model)
         model.to(device=self.device, dtype=getattr(torch, args.dtype))
         self.model = model.train()
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": [p for p in model.parameters() if p.dim() >= 2]},
-                {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
-            ],
-            lr=OPTIMIZER["lr"],
-            betas=OPTIMIZER["betas"],
-            eps=OPTIMIZER["eps"],
-            weight_decay=OPTIMIZER["weight_decay"],
-            fused=None if args.no_fused else True,
-        )
+        self.optimizer = adamw(model, fused=None if args.no_fused else True)
         self.generator = torch.Generator().manual_seed(SEED)
         self.params = sum(p.numel() for p in model.parameters())
         self.fused = bool(self.optimizer.defaults.get("fused"))
@@ -309,6 +336,10 @@ def memory_probe(args: argparse.Namespace) -> None:
     """Subprocess side: run one side briefly and print its peak memory as one JSON line."""
     import torch
 
+    from nanocore.memory import return_freed_memory
+
+    return_freed_memory()  # what nanocore's trainer does at start-up, for the baseline side too
+
     bench = Bench(args)
     out: dict[str, Any] = {}
     if args.device == "cuda":
@@ -333,12 +364,7 @@ def memory_probe(args: argparse.Namespace) -> None:
 def measure_memory(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]:
     results = {}
     for side in SIDES:
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--device", args.device, "--memory-probe", side]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("MEMORY ")), None)
-        if proc.returncode != 0 or line is None:
-            raise RuntimeError(f"memory probe for {side} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        results[side] = json.loads(line[len("MEMORY ") :])
+        results[side] = probe_memory(__file__, argv, args.device, "--memory-probe", side)
     return results
 
 
@@ -346,13 +372,9 @@ def measure_memory(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # nanocore's engine takes a GPU whenever it sees one
+    use_device(args)
     import torch
 
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.set_num_threads(args.threads)
     if args.memory_probe is not None:
         memory_probe(args)
         return {}

@@ -233,6 +233,16 @@ def _initial_values(
     return out
 
 
+def initialise_whole(model: nn.Module, seed: int) -> None:
+    """Give a whole, unparallelised model (on CPU) the starting weights every layout of a run with
+    `seed` starts from: what a baseline outside the engine needs to train the same computation."""
+    by_rows = bool(getattr(model, "init_by_row_blocks", False))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shape = tuple(param.shape)
+            param.copy_(_initial_values(model, name, Placement.whole(shape), shape, seed, by_rows))
+
+
 def chunk_modules(local: LocalModel) -> list[list[list[nn.Module]]]:
     """The modules of each block of each local chunk, in order."""
     module = local.module

@@ -106,3 +106,16 @@ def test_async_checkpoint_times_both_modes(tmp_path):
     figures = json.loads(out.read_text())
     assert figures["save_call_s"]["sync"] > 0 and figures["save_call_s"]["async"] > 0
     assert "ratio async / sync" in result.stdout
+
+
+@pytest.mark.slow
+def test_zero3_vs_fsdp2_runs_both_sides_on_the_same_computation(tmp_path):
+    out = tmp_path / "fsdp2.json"
+    args = ["--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "512", "--seq", "32", "--dp", "2"]
+    result = _run_script("zero3_vs_fsdp2.py", [*args, "--rounds", "1", "--steps", "2", "--json", str(out)], tmp_path)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["nanocore_zero3_peak_mib"] > 0 and row["fsdp2_peak_mib"] > 0
+    assert row["nanocore_zero3_tokens_per_second"] > 0 and row["fsdp2_tokens_per_second"] > 0
+    # the same weights, samples and AdamW: the losses agree to float32 summation-order noise
+    assert len(row["nanocore_zero3_losses"]) == 3 and row["max_loss_difference"] < 1e-4
+    assert "peak ratio" in result.stdout

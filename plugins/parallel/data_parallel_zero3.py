@@ -1,16 +1,27 @@
 """ZeRO-3: each data-parallel rank keeps only its rows of every trainable parameter between uses.
 
-At rest a parameter's `.data` is an empty tensor and `shard` holds this rank's rows
-(`row_share`, the cut the optimizer and the gradient buffers use). The pipeline executor asks for a
-block's parameters before the block runs (`gather`: one all-gather of every rank's rows of the
-block's parameters, padded to the largest rank's share) and hands them back after its forward
-(`release`). A hook on the block's output gathers them again just before the block's backward; each
-parameter is released as soon as autograd has accumulated its gradient (after which this backward
-no longer needs it). The next block's gather is started while the current block runs (prefetch),
-so at most two blocks are whole at a time.
+Each parameter keeps its full shape, but at rest its storage is resized to nothing and `zero3_shard`
+holds this rank's rows (`row_share`, the cut the optimizer and the gradient buffers use). The
+pipeline executor asks for a block's parameters before the block runs (`gather`: one all-gather per
+parameter of every rank's rows, padded to the largest rank's share, straight into the parameter's
+storage, regrown for it) and hands them back after its forward (`release`: the storage shrinks to
+nothing again). A hook on the block's output gathers them again just before the block's backward;
+each parameter is released as soon as autograd has accumulated its gradient (after which this
+backward no longer needs it). The next block's gather is started while the current block runs
+(prefetch), so at most two blocks are whole at a time.
 
-Gradients are reduce-scattered as under ZeRO-2 (`ShardedGradBuffers`); the optimizer steps the
-shards in place, so there is no exchange of updated rows: the next gather reads them.
+Why the storage, and not `p.data = ...`: autograd keeps views of a block's weights for its backward
+(a linear layer saves `weight.t()`). A view shares the parameter's storage, not its `.data`, so
+swapping `.data` for an empty tensor left every forward's gathered weights alive through those views
+until the backward (the whole model, on top of the re-gathered blocks: ZeRO-3 then held more than
+ZeRO-1). Shrinking the storage frees them, and regrowing it before the backward gives the saved
+views the same values again (torch's FSDP2 resizes storage for the same reason).
+
+Where the rows split evenly over the ranks (the usual case) the all-gather's rank-major output *is*
+the whole parameter, so a gather copies nothing; otherwise the rows are gathered into a buffer and
+copied into place. Gradients are reduce-scattered as under ZeRO-2 (`ShardedGradBuffers`); the
+optimizer steps the shards in place, so there is no exchange of updated rows: the next gather reads
+them.
 """
 
 from __future__ import annotations
@@ -29,34 +40,41 @@ from .data_parallel import rows_placement
 from .data_parallel_zero2 import ShardedGradients
 
 
-class _BlockGather:
-    """One block's parameters of one replica group, each gathered by its own all-gather of every
-    rank's rows padded to the largest share: where the shares line up with the padding (rows divisible
-    by the group size, the usual case) the gathered buffer *is* the whole parameter, so a gather
-    allocates the block once and copies nothing; otherwise the rows are copied out of it."""
+@attrs.define(eq=False)
+class _Whole:
+    """Where one parameter is whole: `buffer` (1-D, the parameter's storage: every rank's padded rows
+    side by side when `in_place`, else exactly the parameter) and the layout of its all-gather."""
 
-    def __init__(self, params: list[nn.Parameter], size: int, rank: int, group):
-        self.params, self.size, self.rank, self.group = params, size, rank, group
-        self.row_numel = [_rows_view_numel(p) for p in params]
-        self.padded_rows: list[int] = []  # rows each rank sends of each parameter
-        self.in_place: list[bool] = []  # rank q's rows start at q * padded_rows: the buffer is the tensor
-        for p in params:
-            shares = [row_share(tuple(p.zero3_shape), size, q) for q in range(size)]
-            padded = max(rows for _, rows in shares)
-            self.padded_rows.append(padded)
-            self.in_place.append(all(start == q * padded for q, (start, _) in enumerate(shares)))
-        self.pending = None  # the (work, out, send) of each parameter's prefetched all-gather
+    param: nn.Parameter
+    buffer: torch.Tensor
+    group: object
+    size: int
+    rank: int
+    padded_rows: int  # rows each rank sends
+    row_numel: int  # elements per row (a 0-dim parameter is one row of one element)
+    in_place: bool  # rank q's rows start at q * padded_rows: the all-gather's output is the parameter
+    pending: tuple | None = None  # (work, out, send) of a prefetched all-gather
+
+    def grow(self) -> None:
+        storage = self.buffer.untyped_storage()
+        nbytes = self.buffer.numel() * self.buffer.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+    def shrink(self) -> None:
+        self.buffer.untyped_storage().resize_(0)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    return int(torch.Size(shape).numel())
-
-
-def _rows_view_numel(p: nn.Parameter) -> int:
-    shape = p.zero3_shape
-    if not shape:
-        return 1
-    return int(torch.Size(shape[1:]).numel()) if shape[0] else 0
+def _whole(p: nn.Parameter, group: object, size: int, rank: int) -> _Whole:
+    shape = tuple(p.zero3_shape)
+    shares = [row_share(shape, size, q) for q in range(size)]
+    padded = max(rows for _, rows in shares)
+    row_numel = (int(torch.Size(shape[1:]).numel()) if shape[0] else 0) if shape else 1
+    in_place = all(start == q * padded for q, (start, _) in enumerate(shares))
+    numel = int(torch.Size(shape).numel())
+    length = padded * row_numel * size if in_place else numel
+    buffer = torch.empty(length, dtype=p.dtype, device=p.device)
+    return _Whole(p, buffer, group, size, rank, padded, row_numel, in_place)
 
 
 class ShardedParams:
@@ -69,9 +87,9 @@ class ShardedParams:
         group_of: Callable[[nn.Parameter], tuple[object, int, int]],
     ):
         """`group_of(p)` -> (group, size, rank) of the data-parallel ranks holding replicas of `p`."""
-        self.empty: dict[tuple, torch.Tensor] = {}
-        wanted = {id(p) for p in trainable}
         self.params: list[nn.Parameter] = []
+        self.whole: dict[int, _Whole] = {}
+        self.is_whole: set[int] = set()
         for p in trainable:
             group, size, rank = group_of(p)
             if hasattr(p, "zero3_shape"):  # built as rows only (build_local_model's rows_of)
@@ -84,38 +102,36 @@ class ShardedParams:
                 p.zero3_rows = (start, length)
             if p.zero3_rows != row_share(p.zero3_shape, size, rank):
                 raise ValueError(f"ZeRO-3 rows {p.zero3_rows} of a {list(p.zero3_shape)} parameter are not this rank's")
-            p.zero3_whole = False
             self.params.append(p)
-        # per chunk, per block: one gather per replica group (expert weights have their own)
-        self.blocks: list[list[list[_BlockGather]]] = []
+            if size == 1:  # no other replica (experts at expert-data-parallel size 1): the rows are all of it
+                p.data = p.zero3_shard.view(p.zero3_shape)
+                continue
+            whole = _whole(p, group, size, rank)
+            numel = int(torch.Size(p.zero3_shape).numel())
+            p.data = whole.buffer[:numel].view(p.zero3_shape)  # shares the buffer's storage for good
+            self.whole[id(p)] = whole
+            self.is_whole.add(id(p))
+        # per chunk, per block: the block's parameters, each gathered once (a tied pair is one)
+        self.blocks: list[list[list[_Whole]]] = []
         for chunk in chunk_modules:
             row = []
             for modules in chunk:
-                params, ids = [], set()
+                block: dict[int, _Whole] = {}
                 for module in modules:
-                    for p in module.parameters():
-                        if id(p) in wanted and id(p) not in ids:
-                            ids.add(id(p))
-                            params.append(p)
-                by_group: dict[int, list[nn.Parameter]] = {}
-                groups: dict[int, tuple] = {}
-                for p in params:
-                    g = group_of(p)
-                    by_group.setdefault(id(g[0]), []).append(p)
-                    groups[id(g[0])] = g
-                row.append([_BlockGather(ps, groups[k][1], groups[k][2], groups[k][0]) for k, ps in by_group.items()])
+                    for q in module.parameters():
+                        if id(q) in self.whole:
+                            block.setdefault(id(q), self.whole[id(q)])
+                row.append(list(block.values()))
             self.blocks.append(row)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._release_one) for p in self.params]
+        self._hooks = [self.whole[k].param.register_post_accumulate_grad_hook(self._release_one) for k in self.whole]
         for p in self.params:
             self._free(p)
 
     # -- at rest and whole ---------------------------------------------------------------
     def _free(self, p: nn.Parameter) -> None:
-        key = (p.dtype, p.device)
-        if key not in self.empty:
-            self.empty[key] = torch.empty(0, dtype=p.dtype, device=p.device)
-        p.data = self.empty[key]
-        p.zero3_whole = False
+        if id(p) in self.is_whole:
+            self.whole[id(p)].shrink()
+            self.is_whole.discard(id(p))
 
     def _release_one(self, p: nn.Parameter) -> None:
         """Autograd has accumulated p's gradient: this backward needs p no more."""
@@ -123,72 +139,66 @@ class ShardedParams:
 
     def gather(self, c: int, b: int) -> None:
         """Make block b of chunk c whole (waiting for its prefetch if one was started)."""
-        for gather in self.blocks[c][b]:
-            self._finish(gather, self._start(gather) if gather.pending is None else gather.pending)
-            gather.pending = None
+        for whole in self.blocks[c][b]:
+            if whole.pending is None and id(whole.param) not in self.is_whole:
+                whole.pending = self._start(whole)
+            if whole.pending is not None:
+                self._finish(whole)
 
     def prefetch(self, c: int, b: int) -> None:
         """Start gathering block b of chunk c (the next to run) without waiting."""
         if not (0 <= c < len(self.blocks) and 0 <= b < len(self.blocks[c])):
             return
-        for gather in self.blocks[c][b]:
-            if gather.pending is None and not all(p.zero3_whole for p in gather.params):
-                gather.pending = self._start(gather, async_op=True)
+        for whole in self.blocks[c][b]:
+            if whole.pending is None and id(whole.param) not in self.is_whole:
+                whole.pending = self._start(whole, async_op=True)
 
     def release(self, c: int, b: int) -> None:
-        for gather in self.blocks[c][b]:
-            for p in gather.params:
-                self._free(p)
+        for whole in self.blocks[c][b]:
+            self._free(whole.param)
 
     def release_all(self) -> None:
-        for row in self.blocks:
-            for block in row:
-                for gather in block:
-                    if gather.pending is not None:
-                        for work, _, _ in gather.pending:
-                            if work is not None:
-                                work.wait()
-                        gather.pending = None
+        for whole in self.whole.values():
+            if whole.pending is not None:
+                work = whole.pending[0]
+                if work is not None:
+                    work.wait()
+                whole.pending = None
         for p in self.params:
             self._free(p)
 
-    def _start(self, gather: _BlockGather, async_op: bool = False) -> list:
-        started = []
-        for p, padded, per_row in zip(gather.params, gather.padded_rows, gather.row_numel, strict=True):
-            shard = p.zero3_shard.reshape(-1)
-            if shard.numel() != padded * per_row:  # fewer rows than the largest share: pad
-                send = torch.zeros(padded * per_row, dtype=p.dtype, device=p.device)
-                send[: shard.numel()].copy_(shard)
-            else:
-                send = shard
-            if gather.size == 1:
-                started.append((None, send, send))
-                continue
-            out = torch.empty(padded * per_row * gather.size, dtype=p.dtype, device=p.device)
-            work = all_gather_single(out, send, group=gather.group, async_op=async_op)
-            started.append((work if async_op else None, out, send))  # send lives until the gather is done
-        return started
+    def _start(self, whole: _Whole, async_op: bool = False) -> tuple:
+        p = whole.param
+        shard = p.zero3_shard.reshape(-1)
+        chunk = whole.padded_rows * whole.row_numel
+        if shard.numel() != chunk:  # fewer rows than the largest share: pad
+            send = torch.zeros(chunk, dtype=p.dtype, device=p.device)
+            send[: shard.numel()].copy_(shard)
+        else:
+            send = shard
+        if whole.in_place:
+            whole.grow()
+            out = whole.buffer
+        else:
+            out = torch.empty(chunk * whole.size, dtype=p.dtype, device=p.device)
+        work = all_gather_single(out, send, group=whole.group, async_op=async_op)
+        return (work if async_op else None), out, send  # send lives until the gather is done
 
-    def _finish(self, gather: _BlockGather, started: list) -> None:
-        for i, (p, (work, out, _)) in enumerate(zip(gather.params, started, strict=True)):
-            if work is not None:
-                work.wait()
-            if p.zero3_whole:
-                continue
-            shape, numel = p.zero3_shape, _numel(p.zero3_shape)
-            if gather.in_place[i]:
-                p.data = out[:numel].view(shape)
-            else:
-                full = torch.empty(shape, dtype=p.dtype, device=p.device)
-                rows_of = full.reshape(1) if full.dim() == 0 else full
-                chunk = gather.padded_rows[i] * gather.row_numel[i]
-                for q in range(gather.size):
-                    start, rows = row_share(tuple(shape), gather.size, q)
-                    if rows:
-                        piece = out[q * chunk : q * chunk + rows * gather.row_numel[i]]
-                        rows_of.narrow(0, start, rows).copy_(piece.view(rows, *rows_of.shape[1:]))
-                p.data = full
-            p.zero3_whole = True
+    def _finish(self, whole: _Whole) -> None:
+        work, out, _ = whole.pending
+        whole.pending = None
+        if work is not None:
+            work.wait()
+        if not whole.in_place:
+            whole.grow()
+            rows_of = whole.buffer.view(whole.param.zero3_shape or (1,))
+            chunk = whole.padded_rows * whole.row_numel
+            for q in range(whole.size):
+                start, rows = row_share(tuple(whole.param.zero3_shape), whole.size, q)
+                if rows:
+                    piece = out[q * chunk : q * chunk + rows * whole.row_numel]
+                    rows_of.narrow(0, start, rows).copy_(piece.view(rows, *rows_of.shape[1:]))
+        self.is_whole.add(id(whole.param))
 
     def close(self) -> None:
         for handle in self._hooks:

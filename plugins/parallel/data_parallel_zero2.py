@@ -103,8 +103,12 @@ class ShardedGradBuffers:
             for key, params in kinds.items():
                 current, size = [], 0
                 for p in params:
+                    nbytes = math.prod(full_shape(p)) * torch.finfo(dtype).bits // 8
+                    if nbytes >= bucket_bytes and current:  # a parameter as large as a bucket is one of its own
+                        mine.append(_ShardBucket(current, *groups[key]))
+                        current, size = [], 0
                     current.append(p)
-                    size += math.prod(full_shape(p)) * torch.finfo(dtype).bits // 8
+                    size += nbytes
                     if size >= bucket_bytes:
                         mine.append(_ShardBucket(current, *groups[key]))
                         current, size = [], 0

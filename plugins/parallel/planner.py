@@ -6,23 +6,26 @@ meta device, parallelised with that rank's TP coordinates and pruned to its expe
 chunks, the way the engine builds it. Then, in bytes:
 
 - params: the rank's parameters x dtype size (tied pairs once per rank); ZeRO-3: its rows of every
-  trainable parameter, plus, while blocks run, two whole blocks (the running one and the prefetched
-  next) and one block's gather buffers;
+  trainable parameter, plus, while blocks run, two neighbouring blocks whole (the running one and the
+  prefetched next, each parameter gathered straight into its own storage);
 - grads: trainable elements x gradient dtype size (float32 under accumulate_grad_in_fp32); ZeRO-2
   keeps its rows only (`row_share` over the data-parallel group);
 - optimizer: `states_per_element` float32 tensors per element the rank updates (all of them at
   ZeRO-0, its rows at ZeRO-1/2), plus float32 master weights for lower-precision parameters;
-- activations: what autograd keeps per micro-batch (the model's `activation_elements_per_token`)
-  x tokens per micro-batch on this rank (micro_batch_size x sequence / cp), x the schedule's peak
-  in-flight micro-batches (the pipeline simulator); TP divides what it shards, sequence parallelism
-  the norms too; full recompute keeps each recomputed block's input, selective drops the attention
-  core's outputs. Plus the backward's working set: the loss's float32 softmax over the logits and
-  one decoder layer's activations; on a stage without the loss, autograd's fresh gradient of its
-  largest parameter (the embedding's, before it is added to the gradient buffer);
+- activations: what autograd keeps per micro-batch (the model's `activation_elements_per_token`) x
+  tokens per micro-batch on this rank (micro_batch_size x sequence / cp), summed over the chunks'
+  forwards the rank's schedule holds at once (its action list from the pipeline simulator: each
+  forward adds its chunk's activations, each backward frees them; at its largest); TP divides what
+  it shards, sequence parallelism the norms too; full recompute keeps each recomputed block's input,
+  selective drops the attention core's outputs. Plus the backward's working set: the loss's float32
+  softmax over the logits and one decoder layer's activations; on a stage without the loss,
+  autograd's fresh gradient of its largest parameter (the embedding's, before it is added to the
+  gradient buffer);
 - comm: ZeRO-1/2's exchange of updated rows (this rank's rows and everyone's, one piece of about
   `exchange_buffer_bytes` at a time, at the optimizer step) and ZeRO-2's staging during backward:
-  two buckets (a parameter larger than `ddp_bucket_cap_mb` is a bucket of its own) and one reduced
-  share, which fill as backward frees activations, after the loss's working set is gone;
+  one bucket reducing and one filling (a parameter larger than `ddp_bucket_cap_mb` is a bucket of
+  its own, reduced from autograd's gradient itself) and their reduced shares, which fill as backward
+  frees activations, after the loss's working set is gone;
 - optimizer step: the optimizer's float32 temporaries (`step_temporaries_per_element`: AdamW's
   multi-tensor kernel builds one per element, the fused kernel none).
 
@@ -38,6 +41,7 @@ import torch
 from nanocore.config import Config
 from nanocore.dtypes import resolve_dtype_name
 from nanocore.engine_api import MemoryPlan, PlannedLayout, RankPlan
+from nanocore.pipeline_api import Action
 from nanocore.pipeline_sim import simulate
 from nanocore.registry import Registries
 from nanocore.sharding import row_share
@@ -76,7 +80,9 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
     chunks = pp * par.pp_virtual_stages
     microbatches = tokens.batch_accumulation_per_replica
     schedule = registries.pipeline_schedule.get(par.pp_engine).factory(config)
-    in_flight = simulate(schedule, pp, microbatches, par.pp_virtual_stages).peak_in_flight
+    simulated = simulate(schedule, pp, microbatches, par.pp_virtual_stages)
+    in_flight = simulated.peak_in_flight
+    orders = [[timed.action for timed in timeline] for timeline in simulated.timelines]  # each rank's actions
     mb_tokens = tokens.micro_batch_size * tokens.sequence_length / cp
     bucket_bytes = config.model.ddp_bucket_cap_mb * 2**20
 
@@ -98,8 +104,12 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
                     (_row_elements(p, edp if is_expert(p) else dcp) if p.requires_grad else p.numel()) * dtype_bytes
                     for p in params
                 )
-                block = max(_block_bytes(model, blk, dtype_bytes) for chunk in local_chunks for blk in chunk)
-                gathered = block * (3 + 1 / dcp)
+                # a block is whole while it runs, and the next one (prefetched) besides it
+                gathered = max(
+                    sum(_block_bytes(model, blk, dtype_bytes) for blk in chunk[i : i + 2])
+                    for chunk in local_chunks
+                    for i in range(len(chunk))
+                )
             grads = optimizer = updated = exchange = largest = largest_grad = 0
             for p in params:
                 if not p.requires_grad:
@@ -125,7 +135,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
                     par,
                     tp,
                     sequence_parallel,
-                    in_flight[pp_rank],
+                    orders[pp_rank],
                     mb_tokens,
                     dtype_bytes,
                 )
@@ -134,7 +144,8 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
             # after the loss's working set is gone.
             staging = 0.0
             if shards_grads and dcp > 1:
-                staging = min(2 * max(bucket_bytes, largest_grad), grads * dcp) * (1 + 1 / dcp)
+                # a parameter larger than a bucket is reduced from autograd's gradient itself
+                staging = min(max(bucket_bytes, largest_grad) + bucket_bytes, grads * dcp) * (1 + 1 / dcp)
             step_phase = exchange + updated * 4 * step_temporaries  # the optimizer step, activations gone
             backward_phase = max(activations or 0, (activations or 0) - loss_working + staging) + gathered
             if not loss_working and activations is not None:
@@ -213,7 +224,7 @@ def _activations(
     par,
     tp: int,
     sequence_parallel: bool,
-    in_flight: int,
+    actions: list[Action],
     mb_tokens: float,
     dtype_bytes: int,
 ) -> tuple[float, float]:
@@ -248,7 +259,11 @@ def _activations(
             else:
                 elements += layer
         per_chunk.append(elements)
-    held = max(per_chunk) * in_flight if in_flight else 0.0
+    held = peak = 0.0  # what the forwards not yet undone by their backward hold, at its largest
+    for action in actions:
+        held += per_chunk[action.chunk] if action.kind == "F" else -per_chunk[action.chunk]
+        peak = max(peak, held)
+    held = peak
     working = layer  # backward of one layer (recomputed or not): its activations and their gradients
     loss = 2 * logits * 4 / dtype_bytes if is_last else 0.0  # the float32 softmax of the logits and its gradient
     return (held + working + loss) * mb_tokens * dtype_bytes, loss * mb_tokens * dtype_bytes

@@ -9,9 +9,9 @@ Activation memory: after a warm-up step (so the optimizer state exists), before 
 rank resets its peak resident size (Linux `VmHWM`, through /proc/self/clear_refs) and notes its
 resident size; the peak above that during the step is what the step adds on top of weights,
 gradients and optimizer state: activations saved for backward, their gradients, the ring's
-messages and score tiles, the logits. glibc's malloc is told to hand every allocation above 64 KiB
-back to the system on free (MALLOC_MMAP_THRESHOLD_), so memory freed by one step is not counted as
-already resident in the next. Reported per cp: the largest rank's median over steps, its ratio to
+messages and score tiles, the logits. The trainer's host allocator setting hands every freed
+allocation above 64 KiB back to the system (docs/memory.md), so memory freed by one step is not
+counted as already resident in the next. Reported per cp: the largest rank's median over steps, its ratio to
 cp 1, and tokens/s (global tokens per step / median step time of rank 0).
 
     python benchmarks/context_parallel_memory.py                 # ~2 minutes on 2 CPU cores
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -85,8 +84,6 @@ def run_cp(args: argparse.Namespace, cp: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    # every allocation above 64 KiB is its own mapping, returned to the system when freed
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     sizes = [int(c) for c in args.cp.split(",")]
     rows = []
     for cp in sizes:

@@ -13,9 +13,9 @@ rank above its size before the run was built (Linux `VmHWM` from `peak_memory_mb
 backed pages included, which `peak_memory_mb` leaves out)
 beside what `nanocore plan` predicts for it,
 the largest rank's peak activation memory (what a step adds above its resident size at the step's
-start), and tokens/s (global tokens per step over rank 0's median step time). glibc is told to
-return every allocation above 64 KiB to the system on free (MALLOC_MMAP_THRESHOLD_), so a freed
-buffer is not counted as resident in the next step.
+start), and tokens/s (global tokens per step over rank 0's median step time). The trainer's host
+allocator setting returns every freed allocation above 64 KiB to the system (docs/memory.md), so a
+freed buffer is not counted as resident in the next step.
 
     python benchmarks/memory_layouts.py                 # ~3-5 minutes on 2 CPU cores
     python benchmarks/memory_layouts.py --layouts zero --json zero.json
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -139,7 +138,6 @@ def run_layout(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     names = list(LAYOUTS) if args.layouts == "all" else GROUPS[args.layouts]
     rows = []
     for name in names:

@@ -3,9 +3,10 @@
 Side A is nanocore's trainer (the built-in `nd` engine, `zero_stage: 3`, gloo ranks, one thread
 per rank, float32, random tokens). Side B is the loop a user would write with FSDP2 instead:
 transformers' `LlamaForCausalLM` (SDPA attention; `--baseline-model nanocore`: nanocore's own LLaMA
-module, which isolates the sharding machinery from the model) with one `fully_shard` per decoder
+module and its fused loss, which isolates the sharding machinery) with one `fully_shard` per decoder
 layer plus one at the root, AdamW over the sharded parameters (weight decay on matrices only),
-`clip_grad_norm_`, `F.cross_entropy`, `loss.backward()` per micro-batch. Both start from the same
+`clip_grad_norm_`, `F.cross_entropy` (which keeps a logits-sized log-softmax for backward),
+`loss.backward()` per micro-batch. Both start from the same
 weights (nanocore's initialisation, through the Hugging Face conversion for transformers) and read
 the same samples in the same order (nanocore's data schedule over `dataset: null`), so their losses
 are the same computation: the figure reported is the largest difference over the steps.
@@ -139,8 +140,11 @@ def _fsdp2_rank(rank: int, world: int, raw: dict, store: str, steps: int, result
     model_config = LlamaConfig(**fields)
     model = LlamaForCausalLM(model_config, init_std=0.02)
     initialise_whole(model, SEED)  # nanocore's starting weights, as every layout's
+    cross_entropy = F.cross_entropy
     if baseline_model == "transformers":
         model = transformers_llama(model_config, model)
+    else:
+        from nanocore_plugins.parallel.loss import cross_entropy  # nanocore's fused loss
     model.train()
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
@@ -169,7 +173,7 @@ def _fsdp2_rank(rank: int, world: int, raw: dict, store: str, steps: int, result
             logits = model(micro[:, :-1])
             if baseline_model == "transformers":
                 logits = logits.logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), micro[:, 1:].flatten()) / len(micro_batches)
+            loss = cross_entropy(logits.flatten(0, 1).float(), micro[:, 1:].flatten()) / len(micro_batches)
             loss.backward()
             total += loss.detach()
             del logits, loss

@@ -49,7 +49,6 @@ class _Whole:
     buffer: torch.Tensor
     group: object
     size: int
-    rank: int
     padded_rows: int  # rows each rank sends
     row_numel: int  # elements per row (a 0-dim parameter is one row of one element)
     in_place: bool  # rank q's rows start at q * padded_rows: the all-gather's output is the parameter
@@ -65,7 +64,7 @@ class _Whole:
         self.buffer.untyped_storage().resize_(0)
 
 
-def _whole(p: nn.Parameter, group: object, size: int, rank: int) -> _Whole:
+def _whole(p: nn.Parameter, group: object, size: int) -> _Whole:
     shape = tuple(p.zero3_shape)
     shares = [row_share(shape, size, q) for q in range(size)]
     padded = max(rows for _, rows in shares)
@@ -74,7 +73,7 @@ def _whole(p: nn.Parameter, group: object, size: int, rank: int) -> _Whole:
     numel = int(torch.Size(shape).numel())
     length = padded * row_numel * size if in_place else numel
     buffer = torch.empty(length, dtype=p.dtype, device=p.device)
-    return _Whole(p, buffer, group, size, rank, padded, row_numel, in_place)
+    return _Whole(p, buffer, group, size, padded, row_numel, in_place)
 
 
 class ShardedParams:
@@ -106,7 +105,7 @@ class ShardedParams:
             if size == 1:  # no other replica (experts at expert-data-parallel size 1): the rows are all of it
                 p.data = p.zero3_shard.view(p.zero3_shape)
                 continue
-            whole = _whole(p, group, size, rank)
+            whole = _whole(p, group, size)
             numel = int(torch.Size(p.zero3_shape).numel())
             p.data = whole.buffer[:numel].view(p.zero3_shape)  # shares the buffer's storage for good
             self.whole[id(p)] = whole

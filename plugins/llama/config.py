@@ -7,125 +7,32 @@ from typing import Any
 import attrs
 
 from nanocore.config.schema import doc
-
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
-ROPE_TYPES = ("default", "linear", "llama3")
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+from nanocore.model_parts.config import DecoderConfig
+from nanocore.model_parts.moe import SCORING_FUNCS, MoESpec
 
 
 @attrs.define
-class LlamaConfig:
+class LlamaConfig(DecoderConfig):
     """A LLaMA decoder (LLaMA 1/2/3 family): RMSNorm, rotary positions, grouped-query attention, SwiGLU.
 
     Field names and meanings match nanotron's and Hugging Face transformers' `LlamaConfig`, so a
     checkpoint's `config.json` values can be copied over.
     """
 
-    bos_token_id: int = doc("Beginning-of-sequence token id.", default=1)
-    eos_token_id: int = doc("End-of-sequence token id (generation stops on it).", default=2)
-    hidden_act: str = doc(f"MLP activation: one of {', '.join(ACTIVATIONS)}.", default="silu")
-    hidden_size: int = doc("Width of the residual stream.", default=64)
-    initializer_range: float = doc(
-        "nanotron/transformers compatibility; nanocore initialises with model.init_method.std.", default=0.02
-    )
-    intermediate_size: int = doc("Width of the MLP's hidden layer.", default=256)
-    max_position_embeddings: int = doc(
-        "Longest sequence the model is meant for (RoPE has no hard limit).", default=2048
-    )
-    num_attention_heads: int = doc("Query heads per layer.", default=4)
-    num_hidden_layers: int = doc("Decoder layers.", default=2)
-    attention_bias: bool = doc("Give the q, k, v and o projections a bias.", default=False)
-    num_key_value_heads: int | None = doc(
-        "Key/value heads per layer (grouped-query attention); null means as many as num_attention_heads.",
-        default=None,
-    )
-    pad_token_id: int | None = doc("Padding token id, if the tokenizer has one.", default=None)
     pretraining_tp: int = doc("transformers compatibility; accepted and ignored.", default=1)
-    rms_norm_eps: float = doc("Epsilon inside RMSNorm.", default=1e-6)
-    rope_scaling: dict[str, Any] | None = doc(
-        "RoPE frequency scaling, as in transformers: null, {rope_type: linear, factor} or LLaMA-3's "
-        "{rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}.",
-        default=None,
-    )
-    rope_theta: float = doc("RoPE base period (10000 for LLaMA 2, 500000 for LLaMA 3).", default=10000.0)
     rope_interleaved: bool = doc(
         "nanotron compatibility; only false (transformers' rotate-half convention) is supported.", default=False
     )
-    tie_word_embeddings: bool = doc("Share the input embedding matrix with the output head.", default=False)
-    use_cache: bool = doc("transformers compatibility; generation always uses a key/value cache.", default=True)
-    vocab_size: int = doc("Tokenizer vocabulary size (padded by model.make_vocab_size_divisible_by).", default=256)
-
-    @property
-    def kv_heads(self) -> int:
-        """num_key_value_heads, with null meaning one per query head."""
-        return self.num_key_value_heads if self.num_key_value_heads is not None else self.num_attention_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def rope_type(self) -> str:
-        """The rope_scaling kind; transformers' older configs spell the key `type`."""
-        if not self.rope_scaling:
-            return "default"
-        return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
 
     def problems(self, tp: int = 1) -> list[str]:
         """Problems with this config (as 'field: message') for a tensor-parallel size of `tp`."""
-        p: list[str] = []
-        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
-            if getattr(self, key) < 1:
-                p.append(f"{key}: must be at least 1, got {getattr(self, key)}")
-        if self.num_key_value_heads is not None and self.num_key_value_heads < 1:
-            p.append(f"num_key_value_heads: must be at least 1 or null, got {self.num_key_value_heads}")
-        if p:
-            return p
-        heads, kv = self.num_attention_heads, self.kv_heads
-        if self.hidden_size % heads:
-            p.append(f"hidden_size: {self.hidden_size} is not divisible by num_attention_heads = {heads}")
-        elif self.head_dim % 2:
-            p.append(
-                f"hidden_size: head size hidden_size / num_attention_heads = {self.head_dim} must be even for RoPE"
-            )
-        if heads % kv:
-            p.append(
-                f"num_key_value_heads: num_attention_heads = {heads} is not divisible by num_key_value_heads = {kv}"
-            )
-        if heads % tp:
-            p.append(
-                f"num_attention_heads: {heads} heads cannot be split over parallelism.tp = {tp} ranks; "
-                "choose a tp that divides the number of heads"
-            )
-        if kv % tp and tp % kv:
-            p.append(
-                f"num_key_value_heads: {kv} key/value heads cannot be split over or replicated across "
-                f"parallelism.tp = {tp} ranks; one must divide the other"
-            )
-        if self.hidden_act not in ACTIVATIONS:
-            p.append(
-                f"hidden_act: unsupported activation {self.hidden_act!r}; expected one of {', '.join(ACTIVATIONS)}"
-            )
-        if self.rope_type not in ROPE_TYPES:
-            p.append(f"rope_scaling: unknown rope_type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-        elif self.rope_type in ("linear", "llama3"):
-            needed = ("factor",) if self.rope_type == "linear" else LLAMA3_ROPE_KEYS
-            missing = [k for k in needed if k not in self.rope_scaling]  # type: ignore[operator]
-            if missing:
-                p.append(f"rope_scaling: rope_type {self.rope_type} needs {', '.join(missing)}")
+        p = super().problems(tp=tp)
         if self.rope_interleaved:
             p.append(
                 "rope_interleaved: interleaved RoPE is not supported; set it to false (the transformers/LLaMA-3 "
                 "convention; permute q_proj/k_proj rows when converting an interleaved checkpoint)"
             )
         return p
-
-    def check(self, config: Any) -> list[str]:
-        """Cross-field checks against the whole run config (see nanocore.config.checks)."""
-        return self.problems(tp=config.parallelism.tp)
-
-
-SCORING_FUNCS = ("softmax", "sigmoid")
 
 
 @attrs.define
@@ -140,8 +47,7 @@ class MixtralConfig(LlamaConfig):
     num_local_experts: int = doc("Routed experts per layer.", default=8)
     num_experts_per_tok: int = doc("Experts each token is routed to (top-k).", default=2)
     router_aux_loss_coef: float = doc(
-        "Weight of the load-balancing loss (transformers' definition, see nanocore_plugins.llama.mixtral); "
-        "0 turns it off.",
+        "Weight of the load-balancing loss (transformers' definition, see nanocore.model_parts.moe); 0 turns it off.",
         default=0.001,
     )
     router_jitter_noise: float = doc("transformers compatibility; only 0 (no jitter) is supported.", default=0.0)
@@ -181,6 +87,23 @@ class MixtralConfig(LlamaConfig):
         if self.shared_expert_intermediate_size is not None:
             return self.shared_expert_intermediate_size
         return self.intermediate_size * self.num_shared_experts
+
+    def moe_spec(self) -> MoESpec:
+        """The sparse block every layer has (`nanocore.model_parts.moe`)."""
+        return MoESpec(
+            hidden_size=self.hidden_size,
+            num_experts=self.num_local_experts,
+            top_k=self.num_experts_per_tok,
+            intermediate_size=self.intermediate_size,
+            hidden_act=self.hidden_act,
+            scoring_func=self.scoring_func,
+            norm_topk_prob=True,
+            aux_loss_coef=self.router_aux_loss_coef,
+            z_loss_coef=self.router_z_loss_coef,
+            bias_update_rate=self.router_bias_update_rate,
+            num_moe_layers=self.num_hidden_layers,
+            shared_intermediate_size=self.shared_intermediate_size if self.num_shared_experts else 0,
+        )
 
     def problems(self, tp: int = 1, ep: int = 1) -> list[str]:
         """Problems with this config (as 'field: message') for tensor- and expert-parallel sizes `tp`, `ep`."""

@@ -6,8 +6,7 @@ changes is (1) the config and (2) the tied head: transformers saves no `lm_head.
 vocabulary padding nanocore adds for tensor parallelism is a property of a layout: checkpoints hold
 the true vocabulary (`vocab_parameters` in model.py), so nothing is dropped or added here.
 
-config.json is written in the long-standing form (`rope_theta` + `rope_scaling`, `torch_dtype`),
-which transformers 4.x reads natively and 5.x converts to `rope_parameters`; both forms are read.
+The config.json fields every decoder shares are read and written by `nanocore.model_parts.hf`.
 """
 
 from __future__ import annotations
@@ -15,18 +14,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import attrs
 import torch
 
 from nanocore.errors import ConfigError
+from nanocore.model_parts.hf import HEAD, IGNORED_SUFFIXES, hf_config_fields, read_decoder_fields
 from nanocore_plugins.llama.config import LlamaConfig
 
 log = logging.getLogger("nanocore")
 
 ARCHITECTURES = ["LlamaForCausalLM"]
-HEAD = "lm_head.weight"
-# Buffers some old transformers versions saved with the weights: recomputed, never needed.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # transformers' LlamaConfig defaults, used for keys a config.json leaves out.
 HF_DEFAULTS: dict[str, Any] = {
@@ -53,23 +49,6 @@ HF_DEFAULTS: dict[str, Any] = {
 SAME_FIELDS = [k for k in HF_DEFAULTS if k not in ("num_key_value_heads", "bos_token_id", "eos_token_id", "rope_theta")]
 
 
-def hf_config_fields(config: LlamaConfig, model_type: str, architectures, same_fields: list[str]) -> dict[str, Any]:
-    """The config.json fields LLaMA-family models share (Mixtral's too): `same_fields` copied one to
-    one, then the ones named or computed differently."""
-    return {
-        "architectures": list(architectures),
-        "model_type": model_type,
-        **{key: getattr(config, key) for key in same_fields},
-        "num_key_value_heads": config.kv_heads,
-        "head_dim": config.head_dim,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": dict(config.rope_scaling) if config.rope_scaling else None,
-        "attention_dropout": 0.0,
-    }
-
-
 def to_hf(config: LlamaConfig, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """nanocore config + full tensors (true vocabulary, as `nanocore.hf_interop.checkpoint_state` reads
     them) -> transformers config.json + state dict."""
@@ -94,12 +73,7 @@ def from_hf(
     nullable = ("bos_token_id", "eos_token_id")
     c = {**HF_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None or k in nullable}}
     problems = _unsupported(c)
-    theta, scaling = read_rope(c)
-    fields = {key: c[key] for key in SAME_FIELDS}
-    fields["num_key_value_heads"] = c["num_key_value_heads"]
-    fields["bos_token_id"] = read_token_id(c, "bos_token_id")
-    fields["eos_token_id"] = read_token_id(c, "eos_token_id")
-    config = LlamaConfig(**fields, rope_theta=float(theta), rope_scaling=scaling)
+    config = LlamaConfig(**read_decoder_fields(c, SAME_FIELDS))
     if not problems:
         problems = config.problems()
     if problems:
@@ -124,32 +98,3 @@ def _unsupported(c: dict[str, Any]) -> list[str]:
     if c.get("attention_dropout"):
         log.warning("config.json: attention_dropout %s is ignored (nanocore has no dropout)", c["attention_dropout"])
     return p
-
-
-def read_rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either transformers 4 keys or transformers 5's `rope_parameters`."""
-    params = c.get("rope_parameters")
-    if isinstance(params, dict):
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        theta = params.get("rope_theta", c["rope_theta"])
-    else:
-        scaling, theta = dict(c.get("rope_scaling") or {}), c["rope_theta"]
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError("config.json: rope partial_rotary_factor != 1 is not supported by nanocore's LLaMA")
-    scaling.pop("partial_rotary_factor", None)
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    return theta, (scaling if kind != "default" else None)
-
-
-def read_token_id(c: dict[str, Any], key: str) -> int:
-    """nanocore keeps one token id; LLaMA 3.1 lists several end-of-sequence ids (the first is kept)."""
-    value = c[key]
-    if isinstance(value, list):
-        if len(value) > 1:
-            log.warning("config.json: %s %s: nanocore keeps the first, %s", key, value, value[0])
-        value = value[0] if value else None
-    if value is None:
-        default = attrs.fields_dict(LlamaConfig)[key].default
-        log.warning("config.json: %s is null; nanocore's LLaMA config needs a number and uses %s", key, default)
-        return default
-    return int(value)

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from nanocore.errors import ConfigError
+from nanocore.model_parts.hf import HEAD, IGNORED_SUFFIXES, hf_config_fields, read_decoder_fields
 from nanocore_plugins.llama.config import MixtralConfig
-from nanocore_plugins.llama.hf import HEAD, IGNORED_SUFFIXES, hf_config_fields, read_rope, read_token_id
 
 log = logging.getLogger("nanocore")
 
@@ -92,13 +92,9 @@ def from_hf(
     nullable = ("bos_token_id", "eos_token_id", "sliding_window", "pad_token_id")
     c = {**HF_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None or k in nullable}}
     problems = _unsupported(c)
-    theta, scaling = read_rope(c)
-    fields = {key: c[key] for key in SAME_FIELDS}
-    fields["num_key_value_heads"] = c["num_key_value_heads"]
-    fields["bos_token_id"] = read_token_id(c, "bos_token_id")
-    fields["eos_token_id"] = read_token_id(c, "eos_token_id")
+    fields = read_decoder_fields(c, SAME_FIELDS)
     fields[Z_LOSS_KEY] = float(c.get(Z_LOSS_KEY) or 0.0)
-    config = MixtralConfig(**fields, rope_theta=float(theta), rope_scaling=scaling)
+    config = MixtralConfig(**fields)
     if not problems:
         problems = config.problems()
     if problems:

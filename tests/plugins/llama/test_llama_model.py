@@ -254,7 +254,7 @@ def test_nanotron_style_yaml_section_round_trips():
 def test_grouped_query_attention_uses_sdpa_without_repeating_key_values(monkeypatch):
     """Where torch has `enable_gqa`, key/value heads reach SDPA unrepeated (no group-times copies) and
     the result equals attention over explicitly repeated heads."""
-    from nanocore_plugins.llama import model as llama_model
+    from nanocore.model_parts import attention as llama_model
 
     if not llama_model.SDPA_HAS_GQA:
         pytest.skip("this torch has no enable_gqa (before 2.5): key/value heads are repeated instead")

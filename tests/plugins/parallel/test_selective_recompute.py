@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from nanocore.config.schema import ModelArgs
-from nanocore_plugins.llama import model as llama_model
+from nanocore.model_parts import attention as llama_model
 from nanocore_plugins.llama.config import LlamaConfig
 from nanocore_plugins.llama.plugin import build
 from nanocore_plugins.parallel.recompute import recompute_selected

@@ -1,0 +1,202 @@
+"""A pre-norm decoder LM assembled from the shared parts: what LLaMA, Mixtral, Qwen3 and Qwen3-MoE
+have in common, with transformers' module names (`model.embed_tokens`, `model.layers.N.self_attn`,
+`.mlp`, `.input_layernorm`, `.post_attention_layernorm`, `model.norm`, `lm_head`).
+
+A model type subclasses `DecoderLM` and changes what differs: `make_attention` / `make_mlp` (called
+once per layer while building), `qk_norm`, and the TP plan, initialisation and planner figures that
+follow. It satisfies `nanocore.model_api.CausalLM` as it stands.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from nanocore.model_api import KVCache, TiedWeightsMixin, TPStyle, count_matmul_parameters, init_normal
+from nanocore.model_parts.attention import GroupedQueryAttention, SequenceSlot
+from nanocore.model_parts.config import DecoderConfig
+from nanocore.model_parts.layers import GatedMLP, RMSNorm
+from nanocore.model_parts.rotary import Rotary
+from nanocore.sequence_api import SequenceRuntime
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). One pipeline block; one tensor in, one out."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm (transformers' `model.` prefix)."""
+
+    def __init__(
+        self, embed_tokens: nn.Embedding, layers: Sequence[nn.Module], norm: nn.Module, sequence: SequenceSlot
+    ):
+        super().__init__()
+        self.sequence = sequence
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class DecoderLM(TiedWeightsMixin, nn.Module):
+    """Causal LM: `forward(input_ids, kv_cache=None) -> logits[b, s, vocab_size]`."""
+
+    qk_norm = False  # RMSNorm each query and key head before rotary (Qwen3)
+
+    def __init__(
+        self, config: DecoderConfig, *, init_std: float = 0.02, scale_output_init: bool = True, vocab_multiple: int = 1
+    ):
+        super().__init__()
+        self.config = config
+        self.true_vocab_size = config.vocab_size
+        self.vocab_size = -(-config.vocab_size // vocab_multiple) * vocab_multiple
+        self.init_std = init_std
+        self.scale_output_init = scale_output_init
+        rotary = Rotary(config.head_size, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
+        sequence = SequenceSlot()
+        layers = [
+            DecoderLayer(
+                self.make_attention(i, rotary, sequence), self.make_mlp(i), config.hidden_size, config.rms_norm_eps
+            )
+            for i in range(config.num_hidden_layers)
+        ]
+        self.model = DecoderModel(
+            nn.Embedding(self.vocab_size, config.hidden_size),
+            layers,
+            RMSNorm(config.hidden_size, config.rms_norm_eps),
+            sequence,
+        )
+        self.lm_head = nn.Linear(config.hidden_size, self.vocab_size, bias=False)
+        # Rows of these past true_vocab_size are padding (vocab_multiple): never saved in checkpoints.
+        self.vocab_parameters = ["model.embed_tokens.weight", "lm_head.weight"]
+        self.tied_parameters: list[tuple[str, str]] = []
+        if config.tie_word_embeddings:
+            self.tied_parameters = [("model.embed_tokens.weight", "lm_head.weight")]
+            self.tie_weights()
+        layers_pattern = "model.layers.*"
+        # What engines may do to the sequence (nanocore.sequence_api): split it over context-parallel
+        # ranks, mask attention between packed documents.
+        self.sequence_features = {"context_parallel", "document_masking"}
+        self.init_by_row_blocks = True  # init_parameter fills any block of rows alike (by name only)
+        self.selective_recompute_modules = [f"{layers_pattern}.self_attn.core"]
+        self.tp_plan: dict[str, TPStyle] = {
+            "model.embed_tokens": "vocab_embedding",
+            **self.attention_tp_plan(f"{layers_pattern}.self_attn"),
+            f"{layers_pattern}.mlp.gate_proj": "colwise",
+            f"{layers_pattern}.mlp.up_proj": "colwise",
+            f"{layers_pattern}.mlp.down_proj": "rowwise",
+            "lm_head": "lm_head",
+        }
+        # Counted now, before an engine shards anything: every parameter but the input embedding
+        # (the output head counts even when tied, since it is a real matmul).
+        self._matmul_params = count_matmul_parameters(self, ["model.embed_tokens.weight"], self.active_fraction)
+
+    # -- what a model type changes -------------------------------------------------------------
+    def make_attention(self, layer_idx: int, rotary: Rotary, sequence: SequenceSlot) -> nn.Module:
+        """Layer `layer_idx`'s attention (called while `__init__` builds the layers; `self.config` is set)."""
+        c = self.config
+        return GroupedQueryAttention(
+            c.hidden_size,
+            c.num_attention_heads,
+            c.kv_heads,
+            c.head_size,
+            bias=c.attention_bias,
+            layer_idx=layer_idx,
+            rotary=rotary,
+            sequence=sequence,
+            qk_norm_eps=c.rms_norm_eps if self.qk_norm else None,
+        )
+
+    def attention_tp_plan(self, prefix: str) -> dict[str, TPStyle]:
+        """The TP plan of `make_attention`'s module under `prefix`: heads split over TP ranks."""
+        d = self.config.head_size
+        plan: dict[str, TPStyle] = {
+            f"{prefix}.q_proj": "colwise",
+            f"{prefix}.k_proj": {"style": "colwise_kv", "head_dim": d},
+            f"{prefix}.v_proj": {"style": "colwise_kv", "head_dim": d},
+            f"{prefix}.o_proj": "rowwise",
+        }
+        if self.qk_norm:  # one weight for every head; each rank sees its heads' share of the gradient
+            plan[f"{prefix}.q_norm"] = "head_norm"
+            plan[f"{prefix}.k_norm"] = "head_norm"
+        return plan
+
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s MLP (called while `__init__` builds the layers; `self.config` is set)."""
+        return GatedMLP(self.config.hidden_size, self.config.intermediate_size, self.config.hidden_act)
+
+    def active_fraction(self, name: str) -> float:
+        """The share of parameter `name` a token computes with, for the FLOPs estimate (all of it here)."""
+        return 1
+
+    # -- the CausalLM contract -----------------------------------------------------------------
+    def set_sequence_runtime(self, runtime: SequenceRuntime | None) -> None:
+        """Attention asks `runtime` for positions and attends through it (see nanocore.sequence_api)."""
+        self.model.sequence.runtime = runtime
+
+    def pipeline_blocks(self) -> list[list[str]]:
+        layers = [[f"model.layers.{i}"] for i in range(len(self.model.layers))]
+        return [["model.embed_tokens"], *layers, ["model.norm", "lm_head"]]
+
+    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(input_ids.shape[1])
+        logits: torch.Tensor = self.lm_head(self.model.norm(x))
+        return logits
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill the full tensor for `name`: normal(0, std) weights, output projections scaled, norms 1, biases 0."""
+        if name.endswith("norm.weight"):
+            tensor.data.fill_(1.0)
+            return
+        if name.endswith(".bias"):
+            tensor.data.zero_()
+            return
+        if not name.endswith(".weight"):
+            raise KeyError(f"{type(self).__name__}: no initialisation rule for parameter {name!r}")
+        std = self.init_std
+        if self.scale_output_init and name.endswith(("o_proj.weight", "down_proj.weight")):
+            std /= math.sqrt(2 * self.config.num_hidden_layers)
+        init_normal(tensor, std, generator)
+
+    def activation_elements_per_token(self) -> dict[str, float] | None:
+        """What autograd keeps for backward per token (elements), for the memory planner
+        (`nanocore.model_api`): per decoder layer and for the head block."""
+        c = self.config
+        h, i = c.hidden_size, c.intermediate_size
+        q, kv = c.num_attention_heads * c.head_size, c.kv_heads * c.head_size
+        # qk-norm keeps the float32 input and output of each query and key head's norm
+        qk_norm = 2 * (q + kv) if self.qk_norm else 0
+        return {
+            "layer_norms": 4 * h,  # both norms' input and output
+            "layer_column_inputs": 2 * h,  # the normed inputs of q/k/v and gate/up (the norms' outputs)
+            # rotated q, k, v, attention output, o_proj's input; gate, silu(gate), up, their product
+            "layer_sharded": 3 * q + 2 * kv + 4 * i + qk_norm,
+            "layer_attention_core_outputs": q,  # what selective recompute does not keep
+            "head_norm": 2 * h,
+            "head_logits": self.vocab_size,
+        }
+
+    def flops_per_token(self, sequence_length: int) -> float:
+        """Training FLOPs per token (nanoGPT / PaLM estimate): 6N + 12 * layers * attention width * seq."""
+        c = self.config
+        return (
+            6 * self._matmul_params + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_size * sequence_length
+        )

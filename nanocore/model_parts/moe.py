@@ -1,0 +1,305 @@
+"""The sparse mixture-of-experts MLP (a `nanocore.moe_api.MoELayer`) and the decoder LM whose layers
+use it: Mixtral's top-k softmax router, Qwen3-MoE's (top-k probabilities kept unnormalised unless
+`norm_topk_prob`), DeepSeek-V3-style sigmoid scores with a per-expert balancing bias, optional
+shared experts.
+
+Module and parameter names are transformers 5's (`mlp.gate.weight` [E, H], `mlp.experts.gate_up_proj`
+[E, 2I, H] with the gate rows first, `mlp.experts.down_proj` [E, H, I]); the options beyond them add
+`mlp.shared_experts` (a `GatedMLP`) and, for sigmoid routing, `mlp.gate.e_score_correction_bias` [E].
+
+The block sorts its token slots by expert and hands them to the engine's `ExpertRuntime`, which
+decides where the experts live; it never reads the expert count from the config, since under expert
+parallelism its expert tensors hold only this rank's rows.
+
+Auxiliary losses, per micro-batch and per MoE layer, over the micro-batch's N tokens (every token
+shard: statistics go through `runtime.token_sum`), with L MoE layers, E experts, top-k:
+
+    aux_l = (E / L) * sum_i (c_i / N) * (P_i / N)      c_i: slots routed to expert i (each token
+                                                        counts k times), P_i: sum over tokens of the
+                                                        softmax probability of expert i
+    z_l   = (1 / L) * sum_tokens logsumexp(logits)^2 / N
+
+Summed over layers (as the engine reports them) this is the mean over layers of transformers'
+`load_balancing_loss_func` computed layer by layer; it equals transformers' value for one layer. For
+several layers transformers concatenates all layers' logits first, E * (mean_l f_l) . (mean_l P_l),
+which has cross-layer products no layer can compute alone (a pipeline stage holds a few layers); the
+two agree when every layer routes alike, and both are k at perfect balance. The gradient flows
+through this rank's probabilities only (c / N is a constant), so the ranks' shares add up to the
+gradient of the whole micro-batch's loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanocore import moe_api
+from nanocore.model_api import TPStyle, init_normal
+from nanocore.model_parts.config import DecoderConfig
+from nanocore.model_parts.decoder import DecoderLM
+from nanocore.model_parts.layers import ACT_FNS, GatedMLP
+from nanocore.moe_api import ExpertRuntime, LocalExperts, MoEStatistics, attach_aux_loss, expert_matmul
+
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+@attrs.frozen
+class MoESpec:
+    """What a sparse MLP block is, whatever a model's config calls it."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's width
+    hidden_act: str = "silu"
+    scoring_func: str = "softmax"  # softmax | sigmoid
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0  # sigmoid routing: the balancing bias's step
+    num_moe_layers: int = 1  # L in the auxiliary losses
+    shared_intermediate_size: int = 0  # 0: no shared experts
+
+
+class TopKRouter(nn.Module):
+    """The router (`mlp.gate`): logits = x W^T, in the model's dtype as transformers computes them.
+    Sigmoid routing adds `e_score_correction_bias`, which only picks the experts."""
+
+    def __init__(self, spec: MoESpec):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, spec.hidden_size))
+        if spec.scoring_func == "sigmoid":
+            # Balanced by update_router_bias after each step, never by the optimizer.
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class StackedExperts(nn.Module):
+    """Every expert's weights stacked on dim 0 (transformers' fused layout)."""
+
+    def __init__(self, spec: MoESpec):
+        super().__init__()
+        e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.act = ACT_FNS[spec.hidden_act]
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by local expert (`counts[j]` rows for expert j) -> each through its expert."""
+        if len(counts) != self.gate_up_proj.shape[0]:
+            raise RuntimeError(
+                f"the expert runtime returned rows for {len(counts)} experts; this rank holds "
+                f"{self.gate_up_proj.shape[0]}"
+            )
+        gate, up = expert_matmul(rows, self.gate_up_proj, counts).chunk(2, dim=-1)
+        act: Callable[[torch.Tensor], torch.Tensor] = self.act
+        return expert_matmul(act(gate) * up, self.down_proj, counts)
+
+
+class SparseMoeBlock(nn.Module):
+    """`model.layers.N.mlp`: top-k routing over the experts (plus optional shared experts); a
+    `nanocore.moe_api.MoELayer`. Works on whatever tokens it gets ([b, s, H], s possibly a shard)."""
+
+    expert_parameters = EXPERT_PARAMETERS
+
+    def __init__(self, spec: MoESpec):
+        super().__init__()
+        self.num_experts = spec.num_experts
+        self.top_k = spec.top_k
+        self.scoring_func = spec.scoring_func
+        self.norm_topk_prob = spec.norm_topk_prob
+        self.aux_coef = spec.aux_loss_coef
+        self.z_coef = spec.z_loss_coef
+        self.bias_update_rate = spec.bias_update_rate
+        self.num_moe_layers = spec.num_moe_layers
+        self.gate = TopKRouter(spec)
+        self.experts = StackedExperts(spec)
+        if spec.shared_intermediate_size:
+            self.shared_experts = GatedMLP(spec.hidden_size, spec.shared_intermediate_size, spec.hidden_act)
+        self.runtime: ExpertRuntime = LocalExperts()
+        self._stats: torch.Tensor | None = None  # [E + 3] float64: counts, aux, z, micro-batches
+
+    def set_runtime(self, runtime: ExpertRuntime) -> None:
+        self.runtime = runtime
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """logits [n, E] -> (top-k weights [n, k] float32, top-k experts [n, k], the per-token
+        probabilities [n, E] float32 the load-balancing loss uses)."""
+        if self.scoring_func == "sigmoid":
+            scores = torch.sigmoid(logits.float())
+            bias = self.gate.e_score_correction_bias.detach().float()
+            _, experts = torch.topk(scores + bias, self.top_k, dim=-1)
+            weights = scores.gather(1, experts)
+            probs = scores / scores.sum(dim=-1, keepdim=True)  # Megatron / DeepSeek's normalised scores
+        else:
+            probs = torch.softmax(logits.float(), dim=-1)
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts, probs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.gate(flat)
+        weights, experts, probs = self.route(logits)
+        num_experts = logits.shape[-1]
+
+        # Token slots sorted by expert (stable: a token's slots keep their order within an expert).
+        expert_of_slot = experts.reshape(-1)
+        order = torch.argsort(expert_of_slot, stable=True)
+        token_of_slot = order // self.top_k
+        counts = torch.bincount(expert_of_slot, minlength=num_experts)
+        y = self._routed_experts(flat.index_select(0, token_of_slot), counts)
+        # Weighted in float32 and summed in the input dtype, as transformers does.
+        y = (y * weights.reshape(-1)[order, None]).to(flat.dtype)
+        out = torch.zeros_like(flat).index_add(0, token_of_slot, y)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(flat)
+        if self.training and torch.is_grad_enabled():
+            out = self._auxiliary_losses(out, logits, probs, counts)
+        return out.view_as(x)
+
+    @torch.compiler.disable
+    def _routed_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Token rows sorted by expert -> each through its expert, back in the same order. Eager in a
+        compiled layer (`model.compile`): how many rows reach each expert changes every step, and a
+        compiled graph would be re-traced for each new split."""
+        rows, local_counts, handle = self.runtime.dispatch(rows, counts)
+        return self.runtime.combine(self.experts(rows, local_counts), handle)
+
+    def _auxiliary_losses(
+        self, out: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Attach the load-balancing and z-loss gradients to `out` and record the statistics (see the
+        module docstring for the definitions)."""
+        num_experts = counts.numel()
+        prob_sum = probs.sum(dim=0)
+        lse_sq_sum = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()
+        local = torch.cat(
+            [
+                counts.to(torch.float64),
+                prob_sum.detach().to(torch.float64),
+                lse_sq_sum.detach().to(torch.float64).reshape(1),
+                torch.tensor([float(logits.shape[0])], dtype=torch.float64, device=counts.device),
+            ]
+        )
+        total = self.runtime.token_sum(local)  # a collective: called on every forward, recomputation too
+        global_counts, global_probs = total[:num_experts], total[num_experts : 2 * num_experts]
+        tokens = total[-1].clamp_min(1)
+        share = 1.0 / self.num_moe_layers
+        fraction = (global_counts / tokens).to(prob_sum.dtype)
+        tokens_f = tokens.to(prob_sum.dtype)
+        aux_local = share * num_experts * (fraction * prob_sum).sum() / tokens_f
+        z_local = share * lse_sq_sum / tokens_f
+        loss = self.aux_coef * aux_local + self.z_coef * z_local
+        if self.aux_coef or self.z_coef:
+            out = attach_aux_loss(out, loss, self.runtime.grad_scale)
+        if not moe_api.recomputing():
+            aux = share * num_experts * (global_counts / tokens * global_probs / tokens).sum()
+            z = share * total[2 * num_experts] / tokens
+            row = torch.cat([global_counts, aux.reshape(1), z.reshape(1), total.new_ones(1)])
+            self._stats = row if self._stats is None else self._stats + row
+        return out
+
+    def pop_statistics(self) -> MoEStatistics | None:
+        """The statistics recorded since the last call (None if no training forward ran), then reset."""
+        if self._stats is None:
+            return None
+        stats, self._stats = self._stats.cpu(), None
+        e = self.num_experts
+        return MoEStatistics(
+            tokens_per_expert=stats[:e].clone(),
+            aux_loss=float(stats[e]) if self.aux_coef else None,
+            z_loss=float(stats[e + 1]) if self.z_coef else None,
+            micro_batches=int(stats[e + 2]),
+        )
+
+    def update_router_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Sigmoid routing (DeepSeek-V3): after an optimizer step, move each expert's bias toward
+        balance by a fixed step: bias_e += rate * sign(mean load - load_e). A no-op for softmax."""
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        if bias is None:
+            return
+        load = tokens_per_expert.to(device=bias.device, dtype=torch.float64)
+        with torch.no_grad():
+            bias.add_((self.bias_update_rate * torch.sign(load.mean() - load)).to(bias.dtype))
+
+
+class MoEDecoderLM(DecoderLM):
+    """A `DecoderLM` whose MLPs are `SparseMoeBlock`s where `is_sparse_layer(i)` (dense `GatedMLP`s
+    elsewhere); lists them in `moe_layers`. A model type gives `moe_spec()` from its config."""
+
+    def moe_spec(self) -> MoESpec:
+        raise NotImplementedError
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        return True
+
+    def dense_intermediate_size(self) -> int:
+        """The width of the dense layers' MLP."""
+        return self.config.intermediate_size
+
+    def __init__(
+        self, config: DecoderConfig, *, init_std: float = 0.02, scale_output_init: bool = True, vocab_multiple: int = 1
+    ):
+        super().__init__(config, init_std=init_std, scale_output_init=scale_output_init, vocab_multiple=vocab_multiple)
+        sparse = [i for i in range(config.num_hidden_layers) if self.is_sparse_layer(i)]
+        self.moe_layers = [f"model.layers.{i}.mlp" for i in sparse]
+        # The router and the experts stay whole on every TP rank (experts are split by expert
+        # parallelism instead); shared experts and dense layers' MLPs split like LLaMA's MLP.
+        spec = self.moe_spec()
+        self.tp_plan = {k: v for k, v in self.tp_plan.items() if ".mlp." not in k}
+        self.tp_plan.update(self._mlp_tp_plan(sparse, bool(spec.shared_intermediate_size)))
+
+    def _mlp_tp_plan(self, sparse: list[int], shared: bool) -> dict[str, TPStyle]:
+        plan: dict[str, TPStyle] = {}
+        dense = [i for i in range(self.config.num_hidden_layers) if i not in sparse]
+        prefixes = [f"model.layers.{i}.mlp" for i in dense]
+        if shared:
+            prefixes.append("model.layers.*.mlp.shared_experts")
+        for prefix in prefixes:
+            plan.update(
+                {f"{prefix}.gate_proj": "colwise", f"{prefix}.up_proj": "colwise", f"{prefix}.down_proj": "rowwise"}
+            )
+        return plan
+
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        if self.is_sparse_layer(layer_idx):
+            return SparseMoeBlock(self.moe_spec())
+        return GatedMLP(self.config.hidden_size, self.dense_intermediate_size(), self.config.hidden_act)
+
+    def active_fraction(self, name: str) -> float:
+        """A token runs k of the E experts; the router bias only picks them."""
+        if name.endswith(EXPERT_PARAMETERS):
+            spec = self.moe_spec()
+            return spec.top_k / spec.num_experts
+        if name.endswith("e_score_correction_bias"):
+            return 0
+        return 1
+
+    def activation_elements_per_token(self) -> None:
+        """Routed experts keep a data-dependent share of tokens each: not declared to the planner."""
+        return None
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """The decoder's rules, plus: experts normal(0, std) (down_proj scaled like the dense one's),
+        router bias 0. Expert tensors are drawn whole ([E, ...]); the engine slices them for expert
+        parallelism."""
+        if name.endswith("e_score_correction_bias"):
+            tensor.data.zero_()
+            return
+        if not name.endswith(EXPERT_PARAMETERS):
+            super().init_parameter(name, tensor, generator)
+            return
+        std = self.init_std
+        if self.scale_output_init and name.endswith("down_proj"):
+            std /= math.sqrt(2 * self.config.num_hidden_layers)
+        init_normal(tensor, std, generator)

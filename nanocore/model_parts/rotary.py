@@ -1,0 +1,118 @@
+"""Rotary position embeddings (RoPE), with transformers' frequency-scaling rules.
+
+`Rotary` is a plain object, shared by every layer of a model: models hold no buffers (engines
+materialise them from the meta device and only know parameters), so the tables are computed from
+the config on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    """The kind of a `rope_scaling` dict; transformers' older configs spell the key `type`."""
+    if not scaling:
+        return "default"
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def rope_problems(scaling: dict[str, Any] | None) -> list[str]:
+    """Problems with a `rope_scaling` setting, as 'rope_scaling: message'."""
+    kind = rope_type(scaling)
+    if kind not in ROPE_TYPES:
+        return [f"rope_scaling: unknown rope_type {kind!r}; supported: {', '.join(ROPE_TYPES)}"]
+    missing = [k for k in ROPE_KEYS.get(kind, ()) if k not in (scaling or {})]
+    return [f"rope_scaling: rope_type {kind} needs {', '.join(missing)}"] if missing else []
+
+
+def rope_inverse_frequencies(dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Per-pair inverse frequencies (float32, CPU) of a `dim`-wide rotary embedding."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind, scaling = rope_type(scaling), scaling or {}
+    if kind == "linear":
+        linear: torch.Tensor = inv_freq / scaling["factor"]
+        return linear
+    if kind == "llama3":
+        # LLaMA 3.1: long wavelengths slowed by `factor`, short ones kept, the band between blended.
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+class Rotary:
+    """Rotary cos/sin tables, shared by every layer; a plain object so that it owns no buffers.
+
+    One table per (device, dtype) covers positions [0, n) and grows when a longer sequence comes.
+    """
+
+    def __init__(self, dim: int, theta: float, scaling: dict[str, Any] | None, min_length: int):
+        with torch.device("cpu"):  # the model may be built under torch.device("meta")
+            self.inv_freq = rope_inverse_frequencies(dim, theta, scaling)
+        self.min_length = min_length
+        self._last: tuple | None = None  # (positions, (device, dtype), cos, sin) of the last `at`
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _direct(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at `positions` computed without the tables (the same values): inside a compiled
+        graph (`model.compile`), which must not depend on what an earlier call stored, or a block
+        recomputed in backward would run another graph than its forward did."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def cos_sin(
+        self, seq_len: int, offset: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, dtype)
+        end = offset + seq_len
+        if torch.compiler.is_compiling():
+            return self._direct(torch.arange(offset, end, device=device), dtype)
+        if key not in self._tables or self._tables[key][0].shape[0] < end:
+            # Normal tensors even under inference_mode, so a later training step may use the table.
+            with torch.inference_mode(False), torch.no_grad():
+                positions = torch.arange(max(end, self.min_length), device=device, dtype=torch.float32)
+                freqs = torch.outer(positions, self.inv_freq.to(device))
+                emb = torch.cat((freqs, freqs), dim=-1)
+                self._tables[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        cos, sin = self._tables[key]
+        return cos[offset:end], sin[offset:end]
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [b or 1, 1, s, head_dim] at explicit positions [b or 1, s] (context parallelism,
+        document masking). Every layer of a micro-batch asks for the same positions: computed once."""
+        if torch.compiler.is_compiling():
+            cos, sin = self._direct(positions, dtype)
+            return cos[:, None], sin[:, None]
+        key = (positions.device, dtype)
+        if self._last is not None and self._last[0] is positions and self._last[1] == key:
+            return self._last[2], self._last[3]
+        cos, sin = self.cos_sin(int(positions.max()) + 1, 0, positions.device, dtype)
+        cos, sin = cos[positions][:, None], sin[positions][:, None]
+        self._last = (positions, key, cos, sin)
+        return cos, sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, heads, s, head_dim]; cos, sin: [s, head_dim]."""
+    return x * cos + rotate_half(x) * sin

@@ -11,16 +11,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+from nanocore.config.schema import ModelArgs
+from nanocore.errors import ConfigError
 from nanocore.model_api import KVCache, TiedWeightsMixin, TPStyle, count_matmul_parameters, init_normal
 from nanocore.model_parts.attention import GroupedQueryAttention, SequenceSlot
 from nanocore.model_parts.config import DecoderConfig
 from nanocore.model_parts.layers import GatedMLP, RMSNorm
 from nanocore.model_parts.rotary import Rotary
 from nanocore.sequence_api import SequenceRuntime
+
+D = TypeVar("D", bound="DecoderLM")
+
+
+def build_decoder(cls: type[D], model_args: ModelArgs, vocab_multiple: int = 1) -> D:
+    """A model plugin's `build` for a `DecoderLM` subclass: checks the config (one error naming every
+    problem by its YAML path), then builds on the current default device (meta when an engine calls)."""
+    config = model_args.model_config
+    problems = config.problems()
+    if problems:
+        raise ConfigError([f"model.model_config.{p}" for p in problems])
+    init = model_args.init_method
+    return cls(
+        config, init_std=init.std, scale_output_init=init.scaling_method == "NUM_LAYERS", vocab_multiple=vocab_multiple
+    )
 
 
 class DecoderLayer(nn.Module):

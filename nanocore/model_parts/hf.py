@@ -8,10 +8,12 @@ which transformers 4.x reads natively and 5.x converts to `rope_parameters`; bot
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import torch
 
 from nanocore.errors import ConfigError
 from nanocore.model_parts.config import DecoderConfig
@@ -81,3 +83,39 @@ def read_decoder_fields(c: dict[str, Any], same_fields: Sequence[str]) -> dict[s
     fields["rope_theta"] = float(theta)
     fields["rope_scaling"] = scaling
     return fields
+
+
+def stack_experts(
+    state: dict[str, torch.Tensor],
+    pattern: re.Pattern[str],
+    per_expert_name: str,
+    names: tuple[str, str, str],
+    fused_prefix: str,
+) -> dict[str, torch.Tensor]:
+    """Stack per-expert weights (transformers 4's layout) into the fused `experts.gate_up_proj`
+    [E, 2I, H] (gate rows, then up rows) and `experts.down_proj` [E, H, I] of transformers 5.
+
+    `pattern` matches a per-expert name with groups (layer prefix, expert id, which weight), which
+    `per_expert_name.format(prefix, id, which)` writes back (for errors); `names` are the gate, up and
+    down weights' names in it; the fused tensors are written under
+    `fused_prefix.format(prefix)`. Other tensors pass through; a missing expert or weight is an error."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, tensor in state.items():
+        if m := pattern.match(name):
+            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = tensor
+        else:
+            out[name] = tensor
+    gate, up, down = names
+    for prefix, by_expert in experts.items():
+        ids = sorted(by_expert)
+        missing = [per_expert_name.format(prefix, j, w) for j in ids for w in names if w not in by_expert[j]]
+        if ids != list(range(len(ids))) or missing:
+            gaps = missing or [f"{prefix}: expert ids {ids} are not 0..{len(ids) - 1}"]
+            raise ConfigError([f"weights: missing {', '.join(gaps[:5])}"])
+        fused = fused_prefix.format(prefix)
+        out[f"{fused}.gate_up_proj"] = torch.stack(
+            [torch.cat([by_expert[j][gate], by_expert[j][up]], dim=0) for j in ids]
+        )
+        out[f"{fused}.down_proj"] = torch.stack([by_expert[j][down] for j in ids])
+    return out

@@ -67,6 +67,24 @@ class MoESpec:
     shared_intermediate_size: int = 0  # 0: no shared experts
 
 
+def expert_problems(experts: int, top_k: int, ep: int, experts_field: str) -> list[str]:
+    """Problems ('field: message') with `experts` routed experts, `top_k` per token, split over `ep`
+    expert-parallel ranks; `experts_field` is the config's name for the expert count."""
+    p = []
+    if experts < 1:
+        p.append(f"{experts_field}: must be at least 1, got {experts}")
+    if top_k < 1:
+        p.append(f"num_experts_per_tok: must be at least 1, got {top_k}")
+    elif experts >= 1 and top_k > experts:
+        p.append(f"num_experts_per_tok: {top_k} is above {experts_field}={experts}")
+    if experts >= 1 and ep > 1 and experts % ep:
+        p.append(
+            f"{experts_field}: {experts} experts cannot be split over parallelism.expert_parallel_size = {ep} "
+            "ranks; choose an expert_parallel_size that divides the number of experts"
+        )
+    return p
+
+
 class TopKRouter(nn.Module):
     """The router (`mlp.gate`): logits = x W^T, in the model's dtype as transformers computes them.
     Sigmoid routing adds `e_score_correction_bias`, which only picks the experts."""

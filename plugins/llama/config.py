@@ -8,7 +8,7 @@ import attrs
 
 from nanocore.config.schema import doc
 from nanocore.model_parts.config import DecoderConfig
-from nanocore.model_parts.moe import SCORING_FUNCS, MoESpec
+from nanocore.model_parts.moe import SCORING_FUNCS, MoESpec, expert_problems
 
 
 @attrs.define
@@ -108,18 +108,7 @@ class MixtralConfig(LlamaConfig):
     def problems(self, tp: int = 1, ep: int = 1) -> list[str]:
         """Problems with this config (as 'field: message') for tensor- and expert-parallel sizes `tp`, `ep`."""
         p = super().problems(tp=tp)
-        experts, k = self.num_local_experts, self.num_experts_per_tok
-        if experts < 1:
-            p.append(f"num_local_experts: must be at least 1, got {experts}")
-        if k < 1:
-            p.append(f"num_experts_per_tok: must be at least 1, got {k}")
-        elif experts >= 1 and k > experts:
-            p.append(f"num_experts_per_tok: {k} is above num_local_experts={experts}")
-        if experts >= 1 and ep > 1 and experts % ep:
-            p.append(
-                f"num_local_experts: {experts} experts cannot be split over parallelism.expert_parallel_size = {ep} "
-                "ranks; choose an expert_parallel_size that divides the number of experts"
-            )
+        p += expert_problems(self.num_local_experts, self.num_experts_per_tok, ep, "num_local_experts")
         if self.router_jitter_noise != 0:
             p.append(f"router_jitter_noise: jitter is not supported; set it to 0 (got {self.router_jitter_noise})")
         if self.sliding_window is not None and self.sliding_window < self.max_position_embeddings:

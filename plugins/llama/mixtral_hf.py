@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from nanocore.errors import ConfigError
-from nanocore.model_parts.hf import HEAD, IGNORED_SUFFIXES, hf_config_fields, read_decoder_fields
+from nanocore.model_parts.hf import HEAD, IGNORED_SUFFIXES, hf_config_fields, read_decoder_fields, stack_experts
 from nanocore_plugins.llama.config import MixtralConfig
 
 log = logging.getLogger("nanocore")
@@ -108,31 +108,13 @@ def from_hf(
 def fuse_classic_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename `block_sparse_moe.gate` to `mlp.gate` and stack `block_sparse_moe.experts.J.w1/w3/w2`
     into `mlp.experts.gate_up_proj` (w1 rows, then w3 rows) and `mlp.experts.down_proj` (w2)."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    renamed = {}
     for name, tensor in state.items():
-        if m := CLASSIC_GATE.match(name):
-            out[f"{m[1]}.mlp.gate.weight"] = tensor
-        elif m := CLASSIC_EXPERT.match(name):
-            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = tensor
-        else:
-            out[name] = tensor
-    for layer, by_expert in experts.items():
-        ids = sorted(by_expert)
-        missing = [
-            f"{layer}.block_sparse_moe.experts.{j}.{w}.weight"
-            for j in ids
-            for w in ("w1", "w2", "w3")
-            if w not in by_expert[j]
-        ]
-        if ids != list(range(len(ids))) or missing:
-            gaps = missing or [f"{layer}.block_sparse_moe.experts: expert ids {ids} are not 0..{len(ids) - 1}"]
-            raise ConfigError([f"weights: missing {', '.join(gaps[:5])}"])
-        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([by_expert[j]["w1"], by_expert[j]["w3"]], dim=0) for j in ids]
-        )
-        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([by_expert[j]["w2"] for j in ids])
-    return out
+        m = CLASSIC_GATE.match(name)
+        renamed[f"{m[1]}.mlp.gate.weight" if m else name] = tensor
+    return stack_experts(
+        renamed, CLASSIC_EXPERT, "{}.block_sparse_moe.experts.{}.{}.weight", ("w1", "w3", "w2"), "{}.mlp.experts"
+    )
 
 
 def _unsupported(c: dict[str, Any]) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nanocore import hookimpl
 from nanocore.config.schema import ModelArgs
-from nanocore.errors import ConfigError
+from nanocore.model_parts.decoder import build_decoder
 from nanocore_plugins.llama import hf, mixtral_hf
 from nanocore_plugins.llama.config import LlamaConfig, MixtralConfig
 from nanocore_plugins.llama.mixtral import MixtralForCausalLM
@@ -13,26 +13,12 @@ from nanocore_plugins.llama.model import LlamaForCausalLM
 
 def build(model_args: ModelArgs, *, vocab_multiple: int = 1) -> LlamaForCausalLM:
     """Build on the current default device (meta when called by an engine); parameters are not initialised."""
-    return _build(LlamaForCausalLM, model_args, vocab_multiple)
+    return build_decoder(LlamaForCausalLM, model_args, vocab_multiple)
 
 
 def build_mixtral(model_args: ModelArgs, *, vocab_multiple: int = 1) -> MixtralForCausalLM:
     """Build a Mixtral on the current default device (meta when called by an engine); parameters are not initialised."""
-    return _build(MixtralForCausalLM, model_args, vocab_multiple)
-
-
-def _build(cls, model_args: ModelArgs, vocab_multiple: int):
-    config = model_args.model_config
-    problems = config.problems()
-    if problems:
-        raise ConfigError([f"model.model_config.{p}" for p in problems])
-    init = model_args.init_method
-    return cls(
-        config,
-        init_std=init.std,
-        scale_output_init=init.scaling_method == "NUM_LAYERS",
-        vocab_multiple=vocab_multiple,
-    )
+    return build_decoder(MixtralForCausalLM, model_args, vocab_multiple)
 
 
 @hookimpl

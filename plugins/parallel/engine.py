@@ -225,7 +225,7 @@ class ParallelEngine:
         with self.first_step:
             loss = self._run(micro_batches, train=True)
         self.data_parallel.finish_step()
-        if self.grid.tp > 1:  # sequence-parallel replicated params, kv heads shared by several ranks
+        if self.grid.tp > 1:  # sequence-parallel replicated params, head norms, kv heads shared by several ranks
             tp_grad_sync(model, self.grid.tp_group, grad_of=lambda p: getattr(p, "main_grad", None))
         for p in self.tied_split:  # tied embeddings on the first and last stage: sum both sides
             dist.all_reduce(p.main_grad, group=self.grid.tied_group)

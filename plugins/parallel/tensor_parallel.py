@@ -25,7 +25,11 @@ from nanocore.errors import ConfigError, PluginError
 from nanocore.sharding import Placement, set_placement
 from nanocore.tp_api import Group, LinearFunction, TPMode
 
-STYLES = ("colwise", "rowwise", "colwise_kv", "vocab_embedding", "lm_head")
+STYLES = ("colwise", "rowwise", "colwise_kv", "vocab_embedding", "lm_head", "head_norm")
+# `head_norm` modules (qk-norm: one weight applied to every head) stay whole, but each rank's heads
+# give only their share of its gradient: `tp_grad_sync` sums them in every TP mode. Recorded here, on
+# the module, by `parallelize` and read by `tp_grad_sync` (both of this file).
+_HEAD_NORM = "_tp_head_norm"
 
 # A TP layer's forward runs its mode's collectives; inside a compiled block (`model.compile`) it runs
 # eagerly and the compiled graph resumes after it, so no compiled graph holds a process group.
@@ -271,6 +275,9 @@ def parallelize(
         if found is None:
             continue
         style, options = found
+        if style == "head_norm":
+            setattr(module, _HEAD_NORM, True)
+            continue
         wanted = nn.Embedding if style == "vocab_embedding" else nn.Linear
         if type(module) is not wanted:
             raise PluginError(
@@ -328,7 +335,10 @@ def _partial_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[Colu
         if isinstance(m, RowParallelLinear) and m.bias is not None:
             sharded.discard(id(m.bias))  # replicated and added after the reduce-scatter: partial
     sequence_parallel = any(m.tp_mode.sequence_parallel for m in layers)
-    partial = [p for p in model.parameters() if id(p) not in sharded] if sequence_parallel else []
+    if sequence_parallel:
+        partial = [p for p in model.parameters() if id(p) not in sharded]
+    else:  # only the head norms: their inputs are this rank's heads
+        partial = [p for m in model.modules() if getattr(m, _HEAD_NORM, False) for p in m.parameters()]
     kv = [m for m in layers if isinstance(m, ColumnParallelLinear) and m.replicas > 1]
     return partial, kv
 
@@ -341,6 +351,7 @@ def tp_grad_sync(
 
     - REDUCE_SCATTER: replicated parameters (norms, row-parallel biases) saw only this rank's
       sequence shard.
+    - Head norms (`head_norm` in the TP plan, any mode): each rank's heads gave their share.
     - Key/value heads shared by several ranks (`replicas > 1`) got only this rank's query heads'
       share; summed over exactly the ranks sharing them by all-reducing a zero-padded full-size
       buffer over the TP group, which needs no extra process groups.

@@ -1,0 +1,145 @@
+"""`nanocore convert` with transformers' Qwen3ForCausalLM and Qwen3MoeForCausalLM: folders
+transformers wrote convert to nanocore checkpoints with equal logits and greedy generations, and
+back to folders transformers loads with the same tensors and logits; nanocore -> HF -> nanocore
+is exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nanocore.checkpoint.model import load_checkpoint_model
+from nanocore.commands.cli import run as cli
+from nanocore.config.load import load_config
+from nanocore.generation import generate
+from nanocore.hf_interop import write_hf
+from nanocore_plugins.qwen3 import hf as qwen3_hf
+from tests.helpers.compare import rel_diff
+from tests.helpers.qwen3 import make, tiny, tiny_moe
+
+TINY_HF = {
+    "vocab_size": 67,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "rope_theta": 1e6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.2,  # large enough for varied routing and greedy continuations
+}
+TINY_HF_MOE = {**TINY_HF, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+               "norm_topk_prob": True, "mlp_only_layers": [0]}  # fmt: skip
+
+
+def save_hf(folder: Path, moe: bool, **overrides) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    if moe:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**TINY_HF_MOE, **overrides}))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**TINY_HF, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def hf_model(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def hf_config_fields(folder: Path) -> dict:
+    from transformers import AutoConfig
+
+    fields = AutoConfig.from_pretrained(folder).to_dict()
+    for key in ("_name_or_path", "transformers_version", "head_dim", "layer_types"):
+        fields.pop(key, None)
+    return fields
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_tied", "qwen3_moe"])
+def converted(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    moe = request.param == "qwen3_moe"
+    hf_dir = save_hf(tmp / "hf", moe, tie_word_embeddings=request.param == "qwen3_tied")
+    assert cli(["convert", "--from-hf", str(hf_dir), str(tmp / "nanocore")]) == 0
+    return {"case": request.param, "moe": moe, "hf": hf_dir, "checkpoints": tmp / "nanocore", "tmp": tmp}
+
+
+def test_converted_checkpoint_has_the_config_transformers_had(converted):
+    c = load_config(converted["checkpoints"] / "0" / "config.yaml", world_size=1).config.model
+    assert c.model_type == ("qwen3_moe" if converted["moe"] else "qwen3")
+    m = c.model_config
+    assert (m.head_dim, m.rope_theta, m.vocab_size) == (16, 1e6, 67)
+    assert m.tie_word_embeddings == (converted["case"] == "qwen3_tied")
+    if converted["moe"]:
+        assert (m.num_experts, m.moe_intermediate_size, m.norm_topk_prob, m.mlp_only_layers) == (4, 24, True, [0])
+
+
+def test_logits_and_greedy_generation_equal_transformers(converted):
+    ours = load_checkpoint_model(converted["checkpoints"]).model
+    theirs = hf_model(converted["hf"])
+    ids = torch.randint(0, 67, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        got = ours(ids)
+    assert rel_diff(got, expected) <= 1e-5, rel_diff(got, expected)
+    prompt = [5, 17, 42, 3]
+    new = generate(ours, prompt, 16, temperature=0, eos_token_id=2)
+    hf_out = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=2, pad_token_id=2)
+    assert new == hf_out[0, len(prompt) :].tolist()
+    assert len(set(new)) >= 2, "a constant continuation would hide differences"
+
+
+def test_back_to_hf_gives_the_same_tensors_and_logits(converted):
+    out = converted["tmp"] / "back"
+    assert cli(["convert", "--to-hf", str(converted["checkpoints"]), str(out)]) == 0
+    original = load_file(converted["hf"] / "model.safetensors")
+    if converted["moe"]:
+        original = qwen3_hf.fuse_per_expert(original)
+    back = load_file(out / "model.safetensors")
+    if converted["moe"]:
+        back = qwen3_hf.fuse_per_expert(back)
+    assert back.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+    assert hf_config_fields(out) == hf_config_fields(converted["hf"])
+    reloaded, theirs = hf_model(out), hf_model(converted["hf"])
+    ids = torch.randint(0, 67, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, theirs(ids).logits)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_nanocore_to_hf_to_nanocore_is_exact(tmp_path, moe):
+    config = tiny_moe(router_z_loss_coef=0.01, mlp_only_layers=[1]) if moe else tiny(tie_word_embeddings=True)
+    model = make(config)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        del state["lm_head.weight"]  # a checkpoint holds a tied pair once
+    to_hf, from_hf = (qwen3_hf.to_hf_moe, qwen3_hf.from_hf_moe) if moe else (qwen3_hf.to_hf, qwen3_hf.from_hf)
+    hf_config, hf_state = to_hf(config, state)
+    write_hf(tmp_path, hf_config, hf_state)
+    theirs = hf_model(tmp_path)
+    ids = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_diff(model(ids), theirs(ids).logits) <= 1e-5
+    back_config, back_state = from_hf(
+        json.loads((tmp_path / "config.json").read_text()), load_file(tmp_path / "model.safetensors")
+    )
+    assert back_config == config
+    assert back_state.keys() == state.keys()
+    assert all(torch.equal(back_state[k], state[k]) for k in state)

@@ -65,6 +65,9 @@ class MoESpec:
     bias_update_rate: float = 0.0  # sigmoid routing: the balancing bias's step
     num_moe_layers: int = 1  # L in the auxiliary losses
     shared_intermediate_size: int = 0  # 0: no shared experts
+    n_group: int = 1  # group-limited routing (DeepSeek-V3): experts in n_group groups of equal size,
+    topk_group: int = 1  # a token picks the topk_group best groups, then its top-k experts inside them
+    routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by it
 
 
 def expert_problems(experts: int, top_k: int, ep: int, experts_field: str) -> list[str]:
@@ -138,6 +141,11 @@ class SparseMoeBlock(nn.Module):
         self.z_coef = spec.z_loss_coef
         self.bias_update_rate = spec.bias_update_rate
         self.num_moe_layers = spec.num_moe_layers
+        self.n_group, self.topk_group, self.routed_scaling_factor = (
+            spec.n_group,
+            spec.topk_group,
+            spec.routed_scaling_factor,
+        )
         self.gate = TopKRouter(spec)
         self.experts = StackedExperts(spec)
         if spec.shared_intermediate_size:
@@ -154,15 +162,32 @@ class SparseMoeBlock(nn.Module):
         if self.scoring_func == "sigmoid":
             scores = torch.sigmoid(logits.float())
             bias = self.gate.e_score_correction_bias.detach().float()
-            _, experts = torch.topk(scores + bias, self.top_k, dim=-1)
+            _, experts = torch.topk(self._group_limited(scores + bias), self.top_k, dim=-1)
             weights = scores.gather(1, experts)
             probs = scores / scores.sum(dim=-1, keepdim=True)  # Megatron / DeepSeek's normalised scores
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         else:
             probs = torch.softmax(logits.float(), dim=-1)
-            weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights, experts = torch.topk(self._group_limited(probs), self.top_k, dim=-1)
+            weights = probs.gather(1, experts)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         return weights, experts, probs
+
+    def _group_limited(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` [n, E] with the experts outside each token's `topk_group` best groups at -inf; a
+        group's score is the sum of its two best experts' (DeepSeek-V3). Unchanged for one group."""
+        if self.n_group <= 1:
+            return choice
+        n, e = choice.shape
+        grouped = choice.view(n, self.n_group, e // self.n_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+        best = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(n, e), float("-inf"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -179,8 +204,8 @@ class SparseMoeBlock(nn.Module):
         # Weighted in float32 and summed in the input dtype, as transformers does.
         y = (y * weights.reshape(-1)[order, None]).to(flat.dtype)
         out = torch.zeros_like(flat).index_add(0, token_of_slot, y)
-        if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(flat)
+        if hasattr(self, "shared_experts"):  # on x's shape: TP layers split and gather along the sequence (dim 1)
+            out = out + self.shared_experts(x).reshape(flat.shape)
         if self.training and torch.is_grad_enabled():
             out = self._auxiliary_losses(out, logits, probs, counts)
         return out.view_as(x)

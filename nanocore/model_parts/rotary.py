@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ROPE_KEYS = {
+    "yarn": ("factor", "original_max_position_embeddings"),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
@@ -35,10 +36,53 @@ def rope_problems(scaling: dict[str, Any] | None) -> list[str]:
     return [f"rope_scaling: rope_type {kind} needs {', '.join(missing)}"] if missing else []
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `scale` times (1 when not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: YaRN's `attention_factor` (given, or from factor, mscale and
+    mscale_all_dim as transformers infers it); 1 for every other kind."""
+    if rope_type(scaling) != "yarn":
+        return 1.0
+    assert scaling is not None
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def _yarn_inverse_frequencies(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (NTK-by-parts): high frequencies kept, low ones divided by `factor`, a linear ramp between
+    the dimensions that rotate beta_fast and beta_slow times over the original context."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq: torch.Tensor = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq
+
+
 def rope_inverse_frequencies(dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Per-pair inverse frequencies (float32, CPU) of a `dim`-wide rotary embedding."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     kind, scaling = rope_type(scaling), scaling or {}
+    if kind == "yarn":
+        return _yarn_inverse_frequencies(dim, theta, scaling)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "linear":
         linear: torch.Tensor = inv_freq / scaling["factor"]
         return linear
@@ -64,9 +108,13 @@ class Rotary:
     def __init__(self, dim: int, theta: float, scaling: dict[str, Any] | None, min_length: int):
         with torch.device("cpu"):  # the model may be built under torch.device("meta")
             self.inv_freq = rope_inverse_frequencies(dim, theta, scaling)
+        self.attention_factor = rope_attention_factor(scaling)
         self.min_length = min_length
         self._last: tuple | None = None  # (positions, (device, dtype), cos, sin) of the last `at`
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _scaled(self, table: torch.Tensor) -> torch.Tensor:
+        return table * self.attention_factor if self.attention_factor != 1.0 else table
 
     def _direct(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at `positions` computed without the tables (the same values): inside a compiled
@@ -74,7 +122,7 @@ class Rotary:
         recomputed in backward would run another graph than its forward did."""
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return self._scaled(emb.cos()).to(dtype), self._scaled(emb.sin()).to(dtype)
 
     def cos_sin(
         self, seq_len: int, offset: int, device: torch.device, dtype: torch.dtype
@@ -89,7 +137,7 @@ class Rotary:
                 positions = torch.arange(max(end, self.min_length), device=device, dtype=torch.float32)
                 freqs = torch.outer(positions, self.inv_freq.to(device))
                 emb = torch.cat((freqs, freqs), dim=-1)
-                self._tables[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+                self._tables[key] = (self._scaled(emb.cos()).to(dtype), self._scaled(emb.sin()).to(dtype))
         cos, sin = self._tables[key]
         return cos[offset:end], sin[offset:end]
 
@@ -116,3 +164,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [b, heads, s, head_dim]; cos, sin: [s, head_dim]."""
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's weights); the result comes out
+    de-interleaved (the rotated evens, then the rotated odds), as transformers computes it: queries and
+    keys are permuted alike, so their products are unchanged."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)

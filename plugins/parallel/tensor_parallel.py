@@ -25,7 +25,7 @@ from nanocore.errors import ConfigError, PluginError
 from nanocore.sharding import Placement, set_placement
 from nanocore.tp_api import Group, LinearFunction, TPMode
 
-STYLES = ("colwise", "rowwise", "colwise_kv", "vocab_embedding", "lm_head", "head_norm")
+STYLES = ("colwise", "rowwise", "colwise_kv", "colwise_local", "vocab_embedding", "lm_head", "head_norm")
 # `head_norm` modules (qk-norm: one weight applied to every head) stay whole, but each rank's heads
 # give only their share of its gradient: `tp_grad_sync` sums them in every TP mode. Recorded here, on
 # the module, by `parallelize` and read by `tp_grad_sync` (both of this file).
@@ -125,6 +125,17 @@ class VocabParallelLMHead(ColumnParallelLinear):
     @property
     def vocab_start(self) -> int:
         return self.out_start
+
+
+class LocalColumnLinear(ColumnParallelLinear):
+    """`colwise_local`: output features split like `ColumnParallelLinear`, but the input is already
+    what every rank needs (the whole sequence, computed on each rank by a replicated column layer, e.g.
+    MLA's latent), so nothing moves: each rank multiplies by its rows. The gradient of the input is
+    this rank's heads' share, which the replicated layer upstream sums over TP."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        linear = self.linear if self.linear is not None else F.linear
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -301,7 +312,7 @@ def parallelize(
                 start, length, replicas = _kv_rows(module, options, tp, rank, name)
             else:
                 start, length = _split(module.out_features, tp, rank, f"{name} (output features)")
-            cls = VocabParallelLMHead if style == "lm_head" else ColumnParallelLinear
+            cls = {"lm_head": VocabParallelLMHead, "colwise_local": LocalColumnLinear}.get(style, ColumnParallelLinear)
             new = cls.from_linear(
                 module, start, length, weight=tied, replicas=replicas, async_communication=async_communication, **common
             )

@@ -1,0 +1,1 @@
+"""DeepSeek-V3 (multi-head latent attention, group-limited sigmoid routing) from `nanocore.model_parts`."""

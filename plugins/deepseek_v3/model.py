@@ -1,0 +1,60 @@
+"""DeepSeek-V3 as a composition of the shared parts: multi-head latent attention
+(`nanocore.model_parts.mla`) in every layer, a dense MLP in the first `first_k_dense_replace`
+layers and the sparse block (sigmoid scores, group-limited top-k, shared experts) in the rest.
+
+Module and parameter names equal transformers' `DeepseekV3ForCausalLM` (fused experts), so its
+state dict loads without renaming.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nanocore.model_api import TPStyle
+from nanocore.model_parts.attention import SequenceSlot
+from nanocore.model_parts.mla import MultiHeadLatentAttention, mla_tp_plan
+from nanocore.model_parts.moe import MoEDecoderLM, MoESpec
+from nanocore.model_parts.rotary import Rotary
+from nanocore_plugins.deepseek_v3.config import DeepseekV3Config
+
+
+class DeepseekV3ForCausalLM(MoEDecoderLM):
+    """DeepSeek-V3 causal LM: `forward(input_ids, kv_cache=None) -> logits[b, s, vocab_size]`."""
+
+    config: DeepseekV3Config
+
+    def moe_spec(self) -> MoESpec:
+        return self.config.moe_spec()
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        return self.config.is_sparse_layer(layer_idx)
+
+    def make_attention(self, layer_idx: int, rotary: Rotary, sequence: SequenceSlot) -> nn.Module:
+        c = self.config
+        return MultiHeadLatentAttention(
+            c.hidden_size,
+            c.num_attention_heads,
+            q_lora_rank=c.q_lora_rank,
+            kv_lora_rank=c.kv_lora_rank,
+            qk_nope_head_dim=c.qk_nope_head_dim,
+            qk_rope_head_dim=c.qk_rope_head_dim,
+            v_head_dim=c.v_head_dim,
+            bias=c.attention_bias,
+            eps=c.rms_norm_eps,
+            softmax_scale=c.softmax_scale,
+            rope_interleave=c.rope_interleave,
+            layer_idx=layer_idx,
+            rotary=rotary,
+            sequence=sequence,
+        )
+
+    def attention_tp_plan(self, prefix: str) -> dict[str, TPStyle]:
+        c = self.config
+        return mla_tp_plan(prefix, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim)
+
+    def flops_per_token(self, sequence_length: int) -> float:
+        """6N + attention: per layer, per token, 2 x seq x heads x (qk_head_dim + v_head_dim) x 3 (forward
+        and backward), the same estimate as LLaMA's 12 x layers x width x seq with MLA's head sizes."""
+        c = self.config
+        attention = 6 * c.num_hidden_layers * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * sequence_length
+        return 6 * self._matmul_params + attention

@@ -39,3 +39,27 @@ def make(config):
     for name, p in model.named_parameters():
         model.init_parameter(name, p, torch.Generator().manual_seed(zlib.crc32(name.encode())))
     return model.eval()
+
+
+# the parity and checkpoint tests' models: float32 runs of 10 steps on one to eight ranks
+TINY_QWEN3 = {
+    "model_type": "qwen3",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 12,  # its own head size: neither hidden / heads nor a divisor of hidden
+    "num_hidden_layers": 4,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+}
+TINY_QWEN3_MOE = {
+    **TINY_QWEN3,
+    "model_type": "qwen3_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [0],  # a dense layer first, split over TP like LLaMA's MLP
+    "router_aux_loss_coef": 0.05,
+}

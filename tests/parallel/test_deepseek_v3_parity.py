@@ -9,34 +9,12 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import moe_parity
+from tests.helpers.deepseek_v3 import TINY_DEEPSEEK_V3
 from tests.helpers.parity import GLOBAL_MICROBATCHES, layout
 from tests.helpers.training import run_training, tiny_config
 
 pytestmark = pytest.mark.slow
 
-TINY_DEEPSEEK_V3 = {
-    "model_type": "deepseek_v3",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "moe_intermediate_size": 16,
-    "num_attention_heads": 4,
-    "num_hidden_layers": 4,
-    "vocab_size": 64,
-    "max_position_embeddings": 64,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 2,
-    "topk_group": 1,
-    "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1,
-    "q_lora_rank": 16,
-    "kv_lora_rank": 16,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 4,
-    "v_head_dim": 6,
-    "router_bias_update_rate": 0.01,
-}
 LAYOUTS = {
     "tp2_all_reduce": (layout(tp=2, tp_mode="ALL_REDUCE"), {}),
     "tp2_reduce_scatter": (layout(tp=2, tp_mode="REDUCE_SCATTER"), {}),

@@ -8,31 +8,11 @@ import pytest
 
 from tests.helpers import moe_parity, parity
 from tests.helpers.parity import GLOBAL_MICROBATCHES, layout
+from tests.helpers.qwen3 import TINY_QWEN3, TINY_QWEN3_MOE
 from tests.helpers.training import run_training, tiny_config
 
 pytestmark = pytest.mark.slow
 
-TINY_QWEN3 = {
-    "model_type": "qwen3",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 12,  # its own head size: neither hidden / heads nor a divisor of hidden
-    "num_hidden_layers": 4,
-    "vocab_size": 64,
-    "max_position_embeddings": 64,
-}
-TINY_QWEN3_MOE = {
-    **TINY_QWEN3,
-    "model_type": "qwen3_moe",
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 16,
-    "norm_topk_prob": True,
-    "mlp_only_layers": [0],  # a dense layer first, split over TP like LLaMA's MLP
-    "router_aux_loss_coef": 0.05,
-}
 ZERO1 = {"optimizer": {"zero_stage": 1}}
 LAYOUTS = {
     "qwen3_tp2_all_reduce": (TINY_QWEN3, layout(tp=2, tp_mode="ALL_REDUCE"), {}),

@@ -98,6 +98,8 @@ class MemoryEstimate:
     params_bytes: int
     grads_bytes: int
     optimizer_bytes: int | None  # None when the optimizer plugin gives no estimate (`states_per_element`)
+    # of `written_parameters`, what a token computes with (the model's `active_fraction`: k of E experts)
+    active_written_parameters: float | None = None
 
 
 @attrs.frozen

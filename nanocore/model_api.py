@@ -98,6 +98,11 @@ class CausalLM(Protocol):
     moe_layers: list[str]
     """The mixture-of-experts layers, each a `nanocore.moe_api.MoELayer`."""
 
+    def active_fraction(self, name: str) -> float:
+        """The share of parameter `name` a token computes with: k / E for the experts of a top-k router, 0
+        for a router's balancing bias, 1 otherwise (the start-of-run summary's active parameters)."""
+        ...
+
     sequence_features: set[str]
     """What the model supports of `nanocore.sequence_api`: "context_parallel", "document_masking"."""
 
@@ -122,6 +127,7 @@ OPTIONAL_MEMBERS: dict[str, str] = {
     "init_by_row_blocks": "False: each parameter is built whole before it is sliced",
     "selective_recompute_modules": "recompute_granularity: selective is refused",
     "moe_layers": "a dense model",
+    "active_fraction": "every parameter is active for every token",
     "sequence_features": "context parallelism and document masking are refused",
     "set_sequence_runtime": "needed only with sequence_features",
     "activation_elements_per_token": "nanocore plan reports activations as unknown",

@@ -178,6 +178,8 @@ def run_summary(run: RunFacts) -> str:
         start = "fresh start"
     per_rank = [e.parameters for e in estimates]
     total_params = sum(e.written_parameters for e in estimates)
+    active_params = sum(e.active_written_parameters or 0 for e in estimates)
+    active = f" ({_count(active_params)} active per token)" if 0 < active_params < total_params else ""
     spread = (
         _count(per_rank[0]) if min(per_rank) == max(per_rank) else f"{_count(min(per_rank))}-{_count(max(per_rank))}"
     )
@@ -195,7 +197,7 @@ def run_summary(run: RunFacts) -> str:
         f" | pp_engine {par.pp_engine}, "
         f"{par.pp_virtual_stages} virtual stage(s) | tp_mode {par.tp_mode if par.tp > 1 else '-'} | ZeRO "
         f"{cfg.optimizer.zero_stage} | {engine.device.type}, {str(engine.dtype).removeprefix('torch.')}",
-        f"model: {cfg.model.model_type}, {_count(total_params)} parameters; per rank {spread}",
+        f"model: {cfg.model.model_type}, {_count(total_params)} parameters{active}; per rank {spread}",
         f"tokens: {tokens.sequence_length * cfg.global_batch_size:,} per step (global batch {cfg.global_batch_size} = "
         f"dp {par.dp} x micro-batch {tokens.micro_batch_size} x accumulation {tokens.batch_accumulation_per_replica}, "
         f"sequence {tokens.sequence_length}{', documents masked' if tokens.document_masking else ''}); "

@@ -287,9 +287,14 @@ class ParallelEngine:
         if self.states_per_element is not None and self.optimizer is not None:
             optimizer = int(self.optimizer.expected_state_bytes(self.states_per_element))
         grads = self.data_parallel.grad_buffer
+        shards = self.model_shards()
+        active = getattr(self._model(), "active_fraction", lambda name: 1.0)
         return MemoryEstimate(
             parameters=sum(p.numel() for p in held),
-            written_parameters=sum(real_elements(piece.tensor, piece.placement) for piece in self.model_shards()),
+            written_parameters=sum(real_elements(piece.tensor, piece.placement) for piece in shards),
+            active_written_parameters=sum(
+                real_elements(piece.tensor, piece.placement) * active(piece.name) for piece in shards
+            ),
             params_bytes=sum(p.numel() * p.element_size() for p in held),
             grads_bytes=grads.numel() * grads.element_size(),
             optimizer_bytes=optimizer,

@@ -183,3 +183,21 @@ def test_summary_counts_the_models_parameters_not_the_layouts_padding(tmp_path, 
     padded = sum(t.numel() for t in result["weights"].values())
     true = padded - 2 * 3 * hidden  # untied embedding and head
     assert f"model: llama, {true / 1e3:.3g}K parameters" in summary, summary
+
+
+def test_summary_gives_the_parameters_a_token_computes_with_for_a_sparse_model(tmp_path, caplog):
+    from tests.helpers.deepseek_v3 import TINY_DEEPSEEK_V3
+
+    raw = tiny_config(tmp_path, model={"model_config": dict(TINY_DEEPSEEK_V3)})
+    raw["tokens"]["train_steps"] = 1
+    with caplog.at_level(logging.INFO, logger="nanocore"):
+        result = run_training(raw)
+    (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start of run")]
+    weights = result["weights"]
+    total = sum(t.numel() for t in weights.values())
+    k_of_e = TINY_DEEPSEEK_V3["num_experts_per_tok"] / TINY_DEEPSEEK_V3["n_routed_experts"]
+    experts = sum(t.numel() for n, t in weights.items() if ".experts." in n)
+    bias = sum(t.numel() for n, t in weights.items() if n.endswith("e_score_correction_bias"))
+    active = total - experts * (1 - k_of_e) - bias
+    assert active < total - 1000  # a token runs 2 of 4 routed experts
+    assert f"model: deepseek_v3, {total / 1e3:.3g}K parameters ({active / 1e3:.3g}K active per token)" in summary

@@ -47,7 +47,7 @@ def blocks(tmp_path_factory) -> dict[str, Path]:
         assert name not in files, f"two blocks are named {name!r}"
         files[name] = folder / f"docs_{name}.py"
         files[name].write_text(code)
-    assert sorted(files) == ["dataset", "logger", "model", "observer", "schedule"]
+    assert sorted(files) == ["dataset", "logger", "model", "observer", "parts_model", "schedule"]
     return files
 
 
@@ -169,6 +169,27 @@ def section(title: str) -> str:
     start = text.index(f"## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start : end if end != -1 else len(text)]
+
+
+@pytest.mark.slow
+def test_parts_model_block_trains_at_tp2_like_one_process(blocks, tmp_path):
+    """The third-party model composed from the shared parts: its head norms are in the TP plan, and it
+    trains at tp2 (where those norms need their gradients summed) as on one process."""
+    plugins = [str(blocks[name]) for name in ("parts_model", "dataset", "logger")]
+    model = {"model_type": "qk_llama", "vocab_size": 257, "hidden_size": 32, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 12, "intermediate_size": 64, "num_hidden_layers": 2}  # fmt: skip
+    configs = {}
+    for name, parallelism in {"one": {}, "tp2": {"tp": 2, "tp_mode": "ALL_REDUCE"}}.items():
+        path = write_config(tmp_path / name, **parallelism)
+        config = yaml.safe_load(path.read_text())
+        config["model"]["model_config"] = model
+        config["tokens"]["train_steps"] = 8  # enough updates for the head norms' gradients to show
+        config["optimizer"]["learning_rate_scheduler"]["learning_rate"] = 0.03
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        configs[name] = path
+    reference = run_training(load_config(configs["one"], plugins))
+    losses = run_ranks(2, _train_rank, str(configs["tp2"]), plugins, timeout=300)[0]
+    assert losses == pytest.approx(reference, rel=1e-5)
 
 
 def test_hook_reference_lists_every_hook_with_its_arguments():

@@ -116,7 +116,11 @@ class CausalLM(Protocol):
         inputs of column-parallel layers: the gathered sequence under sequence parallelism),
         `layer_sharded` (split over TP), `layer_attention_core_outputs` (the part of `layer_sharded`
         selective recompute does not keep), `head_norm`, `head_logits` (per decoder layer, and for the
-        final norm + head block)."""
+        final norm + head block). Optional: `layer_replicated` (whole on every TP rank, for the whole
+        sequence even under sequence parallelism: MLA's latent projections and their norms);
+        `dense_mlp_sharded` (the MLP's part of `layer_sharded`) with `moe_mlp` (what a sparse MLP keeps,
+        per token it gets, at balanced routing: TP does not split experts) and `moe_mlp_sharded` (its
+        TP-split part: shared experts) for the layers listed in `moe_layers`."""
         ...
 
 

@@ -194,20 +194,29 @@ class DecoderLM(TiedWeightsMixin, nn.Module):
             std /= math.sqrt(2 * self.config.num_hidden_layers)
         init_normal(tensor, std, generator)
 
+    def attention_activation_elements(self) -> dict[str, float]:
+        """Per token, what `make_attention`'s module keeps for backward: `sharded` (split over TP),
+        `replicated` (whole on every TP rank) and `core_outputs` (selective recompute's saving)."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_size, c.kv_heads * c.head_size
+        qk_norm = 2 * (q + kv) if self.qk_norm else 0  # each head norm's float32 input and output
+        # rotated q, k, v, attention output, o_proj's input
+        return {"sharded": 3 * q + 2 * kv + qk_norm, "replicated": 0.0, "core_outputs": q}
+
     def activation_elements_per_token(self) -> dict[str, float] | None:
         """What autograd keeps for backward per token (elements), for the memory planner
         (`nanocore.model_api`): per decoder layer and for the head block."""
         c = self.config
         h, i = c.hidden_size, c.intermediate_size
-        q, kv = c.num_attention_heads * c.head_size, c.kv_heads * c.head_size
-        # qk-norm keeps the float32 input and output of each query and key head's norm
-        qk_norm = 2 * (q + kv) if self.qk_norm else 0
+        attention = self.attention_activation_elements()
+        mlp = 4 * i  # gate, silu(gate), up, their product
         return {
             "layer_norms": 4 * h,  # both norms' input and output
             "layer_column_inputs": 2 * h,  # the normed inputs of q/k/v and gate/up (the norms' outputs)
-            # rotated q, k, v, attention output, o_proj's input; gate, silu(gate), up, their product
-            "layer_sharded": 3 * q + 2 * kv + 4 * i + qk_norm,
-            "layer_attention_core_outputs": q,  # what selective recompute does not keep
+            "layer_sharded": attention["sharded"] + mlp,
+            "layer_replicated": attention["replicated"],
+            "layer_attention_core_outputs": attention["core_outputs"],
+            "dense_mlp_sharded": mlp,
             "head_norm": 2 * h,
             "head_logits": self.vocab_size,
         }

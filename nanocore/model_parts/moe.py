@@ -328,9 +328,19 @@ class MoEDecoderLM(DecoderLM):
             return 0
         return 1
 
-    def activation_elements_per_token(self) -> None:
-        """Routed experts keep a data-dependent share of tokens each: not declared to the planner."""
-        return None
+    def activation_elements_per_token(self) -> dict[str, float] | None:
+        """The decoder's figures plus what a sparse MLP keeps per token it gets, assuming balanced
+        routing (each token's k slots; under expert parallelism a rank's experts then get as many rows
+        as it sends): router logits and float32 scores, the k gathered rows, each slot's gate, up,
+        silu(gate) and product, and its output before weighting; shared experts like a dense MLP."""
+        declared = super().activation_elements_per_token()
+        if declared is None:
+            return None
+        spec = self.moe_spec()
+        k, h, i = spec.top_k, spec.hidden_size, spec.intermediate_size
+        declared["moe_mlp"] = 2 * spec.num_experts + 2 * k * h + 4 * k * i
+        declared["moe_mlp_sharded"] = 4 * spec.shared_intermediate_size
+        return declared
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """The decoder's rules, plus: experts normal(0, std) (down_proj scaled like the dense one's),

@@ -52,6 +52,21 @@ class DeepseekV3ForCausalLM(MoEDecoderLM):
         c = self.config
         return mla_tp_plan(prefix, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim)
 
+    def attention_activation_elements(self) -> dict[str, float]:
+        """What MLA keeps per token: split over TP, the query projection's output, its rotated part, the
+        concatenated (and, under YaRN's mscale, scaled) queries, kv_b's output, the concatenated keys,
+        the attention output and o_proj's input; whole on every TP rank, the query and key/value
+        latents with their norms' input and output and the rotated shared key."""
+        c = self.config
+        heads, qk = c.num_attention_heads, c.qk_head_dim
+        scaled = heads * qk if abs(c.softmax_scale * qk**0.5 - 1.0) > 1e-12 else 0
+        sharded = (
+            3 * heads * qk + heads * c.qk_rope_head_dim + scaled
+            + heads * (c.qk_nope_head_dim + c.v_head_dim) + 2 * heads * c.v_head_dim
+        )  # fmt: skip
+        replicated = 3 * (c.q_lora_rank or 0) + 3 * c.kv_lora_rank + 2 * c.qk_rope_head_dim
+        return {"sharded": sharded, "replicated": replicated, "core_outputs": heads * c.v_head_dim}
+
     def flops_per_token(self, sequence_length: int) -> float:
         """6N + attention: per layer, per token, 2 x seq x heads x (qk_head_dim + v_head_dim) x 3 (forward
         and backward), the same estimate as LLaMA's 12 x layers x width x seq with MLA's head sizes."""

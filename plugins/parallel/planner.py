@@ -239,7 +239,15 @@ def _activations(
     sharded = declared["layer_sharded"] / tp
     if par.recompute == "selective":
         sharded -= declared["layer_attention_core_outputs"] / tp
-    layer = norms + gathered + sharded
+    layer = norms + gathered + sharded + declared.get("layer_replicated", 0.0)
+    # a sparse layer: the dense MLP's share replaced by the sparse block's (its tokens: this rank's sequence)
+    sparse_layer = (
+        layer
+        - declared.get("dense_mlp_sharded", 0.0) / tp
+        + declared.get("moe_mlp", 0.0) / sp
+        + declared.get("moe_mlp_sharded", 0.0) / tp
+    )
+    moe_layers = {name.removesuffix(".mlp") for name in getattr(model, "moe_layers", ())}
     head = declared["head_norm"] / sp + (declared["layer_column_inputs"] / 2 if sequence_parallel else 0.0)
     logits = declared["head_logits"] / tp
     hidden = declared["layer_norms"] / 4  # one hidden vector per token
@@ -257,14 +265,14 @@ def _activations(
             if par.recompute == "full":
                 elements += hidden / sp  # a recomputed block keeps its input only
             else:
-                elements += layer
+                elements += sparse_layer if block[0] in moe_layers else layer
         per_chunk.append(elements)
     held = peak = 0.0  # what the forwards not yet undone by their backward hold, at its largest
     for action in actions:
         held += per_chunk[action.chunk] if action.kind == "F" else -per_chunk[action.chunk]
         peak = max(peak, held)
     held = peak
-    working = layer  # backward of one layer (recomputed or not): its activations and their gradients
+    working = max(layer, sparse_layer if moe_layers else 0.0)  # backward of one layer: its activations, their gradients
     loss = 2 * logits * 4 / dtype_bytes if is_last else 0.0  # the float32 softmax of the logits and its gradient
     return (held + working + loss) * mb_tokens * dtype_bytes, loss * mb_tokens * dtype_bytes
 

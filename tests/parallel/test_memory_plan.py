@@ -1,5 +1,6 @@
 """`nanocore plan` against what runs hold: exact bytes for parameters, gradients and optimizer state,
-and a total within 15 % of the measured peak (`peak_memory_mb`) on nine layouts of a 56M model.
+and a total within 15 % of the measured peak (`peak_memory_mb`) on nine layouts of a 56M LLaMA and two
+of a 75M DeepSeek-V3 (multi-head latent attention, experts at balanced routing).
 
 On CPU `peak_memory_mb` is resident memory (less file-backed pages). The ranks run as a user's run
 does, with no special environment: glibc's allocator would keep freed heap resident (10-25 % more
@@ -32,6 +33,27 @@ MODEL_56M = {
     "vocab_size": 32000,
     "max_position_embeddings": 128,
 }
+# DeepSeek-V3 at a similar size (~75M parameters, ~35M active per token): multi-head latent attention,
+# a dense first layer, then 8 routed experts of which each token takes 2, and a shared expert
+DEEPSEEK_V3_75M = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "moe_intermediate_size": 352,
+    "num_attention_heads": 8,
+    "num_hidden_layers": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 128,
+    "q_lora_rank": 192,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+}
 LAYOUTS = {
     "one_process": ({}, {}),
     "dp2_zero1": ({"dp": 2}, {"zero_stage": 1}),
@@ -42,8 +64,11 @@ LAYOUTS = {
     "tp2_reduce_scatter": ({"tp": 2, "tp_mode": "REDUCE_SCATTER"}, {}),
     "pp2_1f1b": ({"pp": 2, "pp_engine": "1f1b"}, {}),
     "pp2_interleaved": ({"pp": 2, "pp_engine": "interleaved", "pp_virtual_stages": 2}, {}),
+    "deepseek_v3_one_process": ({}, {}, DEEPSEEK_V3_75M),
+    "deepseek_v3_tp2_reduce_scatter": ({"tp": 2, "tp_mode": "REDUCE_SCATTER"}, {}, DEEPSEEK_V3_75M),
 }
-PLAN_RTOL = 0.15  # measured here: 0.919-0.966 of the plan over every rank of every layout
+# measured here: 0.919-0.966 of the plan over every rank of the LLaMA layouts, 0.969 and 0.980 for DeepSeek-V3
+PLAN_RTOL = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +76,10 @@ def registries():
     return load_plugins().registries
 
 
-def config_56m(tmp_path, parallelism, optimizer) -> dict:
+def config_56m(tmp_path, parallelism, optimizer, model=MODEL_56M) -> dict:
     return tiny_config(
         tmp_path,
-        model={"model_config": MODEL_56M, "init_method": {"std": 0.02}},
+        model={"model_config": model, "init_method": {"std": 0.02}},
         parallelism=parallelism,
         optimizer=optimizer,
         tokens={"sequence_length": 256, "micro_batch_size": 2, "batch_accumulation_per_replica": 2, "train_steps": 3},
@@ -68,8 +93,8 @@ def measured(registries, tmp_path_factory):
 
     def run(name: str):
         if name not in runs:
-            parallelism, optimizer = LAYOUTS[name]
-            raw = config_56m(tmp_path_factory.mktemp(name), parallelism, optimizer)
+            parallelism, optimizer, *model = LAYOUTS[name]
+            raw = config_56m(tmp_path_factory.mktemp(name), parallelism, optimizer, *model)
             planned = plan_for(structure_config(raw, registries), registries, "cpu")
             runs[name] = planned, run_ranks(planned.world_size, _rank_train, raw, timeout=600)
         return runs[name]

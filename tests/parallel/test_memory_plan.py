@@ -33,7 +33,7 @@ MODEL_56M = {
     "vocab_size": 32000,
     "max_position_embeddings": 128,
 }
-# DeepSeek-V3 at a similar size (~75M parameters, ~35M active per token): multi-head latent attention,
+# DeepSeek-V3 at a similar size (74M parameters, 51M active per token): multi-head latent attention,
 # a dense first layer, then 8 routed experts of which each token takes 2, and a shared expert
 DEEPSEEK_V3_75M = {
     "model_type": "deepseek_v3",

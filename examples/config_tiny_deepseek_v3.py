@@ -10,7 +10,7 @@ takes DeepSeek-V3's parts: multi-head latent attention (a 64-wide query bottlene
 key/value latent, per head 32 dimensions without and 16 with rotary positions, values 32 wide), the
 first layer dense, the other three with one shared expert and 8 routed experts of width 88 in 4
 groups, each token picking 2 experts from its best 2 groups (sigmoid scores, balanced by a per-expert
-bias rather than an auxiliary loss).
+bias rather than an auxiliary loss, moved 10x faster than DeepSeek-V3's for a run this short).
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def build_deepseek_v3_config() -> Config:
         n_group=4,
         topk_group=2,
         routed_scaling_factor=1.0,
-        router_bias_update_rate=0.001,
+        # DeepSeek-V3 moved its bias by 0.001 a step over 14.8T tokens; in a 600-step run routing collapses
+        # onto a few experts before that catches up (measured: busiest expert 3.96x the mean by step 21)
+        router_bias_update_rate=0.01,
     )
     model = attrs.evolve(dense.model, model_config=model_config, model_type="deepseek_v3")
     return attrs.evolve(

@@ -34,6 +34,31 @@ if TYPE_CHECKING:
 TPStyle: TypeAlias = str | dict[str, str | int]
 
 
+class PredictionRuntime(Protocol):
+    """What a model's extra prediction heads (DeepSeek-V3's multi-token prediction) ask of the engine
+    for the micro-batch being run: the tokens further ahead, and a loss that is the same at any layout."""
+
+    grad_scale: float  # weight of one micro-batch's loss in the step's gradient (for `moe_api.attach_aux_loss`)
+
+    def future_tokens(self, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, valid), each [b, s] like the model's input on this rank: the token `offset` positions
+        after each input position (offset 1 is the label) and whether the sample holds it (ids are 0
+        where not)."""
+        ...
+
+    def token_loss(self, logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's mean cross-entropy over its valid positions, from logits as the model's output
+        head returns them (split over the vocabulary under TP): this rank's share of it (its tokens' sum
+        over the micro-batch's whole count), so that the shares add up over the ranks holding other
+        tokens of the micro-batch. Differentiable."""
+        ...
+
+    def record(self, name: str, value: torch.Tensor) -> None:
+        """Report this rank's share of a micro-batch loss under `name`: the step's metric `name` is its
+        mean over micro-batches and replicas (declare the names in `prediction_metrics`)."""
+        ...
+
+
 class CausalLM(Protocol):
     """A single-device causal language model, as engines, checkpoints and generation use it."""
 
@@ -103,6 +128,14 @@ class CausalLM(Protocol):
         for a router's balancing bias, 1 otherwise (the start-of-run summary's active parameters)."""
         ...
 
+    prediction_metrics: list[str]
+    """The metrics `set_prediction_runtime`'s heads record (e.g. ["mtp_loss"]), logged beside `lm_loss`."""
+
+    def set_prediction_runtime(self, runtime: PredictionRuntime | None) -> None:
+        """Extra prediction heads (multi-token prediction) take their tokens and losses from `runtime`;
+        None: they do not run (generation, a single-device forward)."""
+        ...
+
     sequence_features: set[str]
     """What the model supports of `nanocore.sequence_api`: "context_parallel", "document_masking"."""
 
@@ -132,6 +165,8 @@ OPTIONAL_MEMBERS: dict[str, str] = {
     "selective_recompute_modules": "recompute_granularity: selective is refused",
     "moe_layers": "a dense model",
     "active_fraction": "every parameter is active for every token",
+    "prediction_metrics": "no extra prediction heads",
+    "set_prediction_runtime": "needed only with prediction_metrics",
     "sequence_features": "context parallelism and document masking are refused",
     "set_sequence_runtime": "needed only with sequence_features",
     "activation_elements_per_token": "nanocore plan reports activations as unknown",

@@ -45,7 +45,16 @@ class DeepseekV3Config(DecoderConfig):
     )
     attention_dropout: float = doc("transformers compatibility; only 0 (nanocore has no dropout).", default=0.0)
     pretraining_tp: int = doc("transformers compatibility; accepted and ignored.", default=1)
-    num_nextn_predict_layers: int = doc("Multi-token prediction modules (DeepSeek-V3's MTP); only 0 so far.", default=0)
+    num_nextn_predict_layers: int = doc(
+        "Multi-token prediction modules (DeepSeek-V3's MTP): module k predicts the token k + 1 positions ahead; "
+        "0 turns MTP off.",
+        default=0,
+    )
+    mtp_loss_coef: float = doc(
+        "Weight of the MTP loss (the mean over modules of their cross-entropies) added to the main loss; "
+        "DeepSeek-V3 used 0.3, then 0.1.",
+        default=0.1,
+    )
     router_bias_update_rate: float = doc(
         "After each optimizer step, e_score_correction_bias_e += rate * sign(mean load - load_e) (DeepSeek-V3's "
         "auxiliary-loss-free balancing); 0 keeps the bias as loaded.",
@@ -139,12 +148,7 @@ class DeepseekV3Config(DecoderConfig):
         p += rope_problems(self.rope_scaling)
         if self.attention_dropout:
             p.append(f"attention_dropout: must be 0 (nanocore has no dropout), got {self.attention_dropout}")
-        if self.num_nextn_predict_layers:
-            p.append(
-                f"num_nextn_predict_layers: multi-token prediction is not built yet; set it to 0 "
-                f"(got {self.num_nextn_predict_layers})"
-            )
-        for key in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
+        for key in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate", "mtp_loss_coef"):
             if getattr(self, key) < 0:
                 p.append(f"{key}: must be 0 or more, got {getattr(self, key)}")
         return p

@@ -8,20 +8,85 @@ state dict loads without renaming.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
-from nanocore.model_api import TPStyle
+from nanocore.model_api import KVCache, PredictionRuntime, TPStyle, count_matmul_parameters
 from nanocore.model_parts.attention import SequenceSlot
 from nanocore.model_parts.mla import MultiHeadLatentAttention, mla_tp_plan
 from nanocore.model_parts.moe import MoEDecoderLM, MoESpec
+from nanocore.model_parts.mtp import MTPLayer, MultiTokenPrediction
 from nanocore.model_parts.rotary import Rotary
 from nanocore_plugins.deepseek_v3.config import DeepseekV3Config
 
 
 class DeepseekV3ForCausalLM(MoEDecoderLM):
-    """DeepSeek-V3 causal LM: `forward(input_ids, kv_cache=None) -> logits[b, s, vocab_size]`."""
+    """DeepSeek-V3 causal LM: `forward(input_ids, kv_cache=None) -> logits[b, s, vocab_size]`; with
+    `num_nextn_predict_layers`, multi-token prediction modules `model.mtp.{k}` (nanocore.model_parts.mtp)
+    in the last pipeline block, trained through the engine's prediction runtime."""
 
     config: DeepseekV3Config
+
+    def __init__(self, config: DeepseekV3Config, **kwargs: Any):
+        super().__init__(config, **kwargs)
+        depth = self.mtp_depth = config.num_nextn_predict_layers
+        self.prediction_metrics: list[str] = []
+        if not depth:
+            return
+        layers, sequence = [], self.model.sequence
+        rotary = self.model.layers[0].self_attn.rotary
+        for k in range(depth):
+            index = config.num_hidden_layers + k
+            attn, mlp = self.make_attention(index, rotary, sequence), self.make_mlp(index)
+            layers.append(MTPLayer(config.hidden_size, self.vocab_size, config.rms_norm_eps, attn, mlp))
+        self.model.mtp = MultiTokenPrediction(layers, config.mtp_loss_coef)
+        self.prediction_metrics = [MultiTokenPrediction.metric]
+        for k in range(depth):
+            prefix = f"model.mtp.{k}"
+            self.tied_parameters += [
+                ("model.embed_tokens.weight", f"{prefix}.embed_tokens.weight"),
+                ("lm_head.weight", f"{prefix}.shared_head.head.weight"),
+            ]
+            self.tp_plan.update(
+                {
+                    f"{prefix}.embed_tokens": "vocab_embedding",
+                    f"{prefix}.shared_head.head": "lm_head",
+                    **self.attention_tp_plan(f"{prefix}.self_attn"),
+                }
+            )
+            if self.is_sparse_layer(config.num_hidden_layers + k):
+                self.moe_layers.append(f"{prefix}.mlp")
+                if config.n_shared_experts:
+                    self.tp_plan.update(_mlp_tp_plan(f"{prefix}.mlp.shared_experts"))
+            else:
+                self.tp_plan.update(_mlp_tp_plan(f"{prefix}.mlp"))
+        self.tie_weights()
+        self._matmul_params = count_matmul_parameters(self, ["model.embed_tokens.weight"], self.active_fraction)
+
+    def set_prediction_runtime(self, runtime: PredictionRuntime | None) -> None:
+        """Multi-token prediction reads its tokens and losses from `runtime` (see nanocore.model_parts.mtp)."""
+        for module in self.model.modules():  # none on a pipeline stage without the last block
+            if isinstance(module, MultiTokenPrediction):
+                module.runtime = runtime
+
+    def pipeline_blocks(self) -> list[list[str]]:
+        blocks = super().pipeline_blocks()
+        if self.mtp_depth:
+            blocks[-1] = ["model.mtp", *blocks[-1]]
+        return blocks
+
+    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(input_ids.shape[1])
+        elif self.mtp_depth:
+            x = self.model.mtp(x)
+        logits: torch.Tensor = self.lm_head(self.model.norm(x))
+        return logits
 
     def moe_spec(self) -> MoESpec:
         return self.config.moe_spec()
@@ -73,3 +138,7 @@ class DeepseekV3ForCausalLM(MoEDecoderLM):
         c = self.config
         attention = 6 * c.num_hidden_layers * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * sequence_length
         return 6 * self._matmul_params + attention
+
+
+def _mlp_tp_plan(prefix: str) -> dict[str, TPStyle]:
+    return {f"{prefix}.gate_proj": "colwise", f"{prefix}.up_proj": "colwise", f"{prefix}.down_proj": "rowwise"}

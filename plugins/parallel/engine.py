@@ -42,6 +42,7 @@ from .grad_norm import global_grad_norm
 from .grid import ProcessGrid
 from .loss import language_model_loss
 from .pipeline_parallel import PipelineExecutor
+from .prediction import TokenPrediction
 from .recompute import recompute_selected
 from .tensor_parallel import parallelize as tp_parallelize
 from .tensor_parallel import tp_grad_sync, tp_owned_parameters
@@ -93,6 +94,7 @@ class ParallelEngine:
         self.model: torch.nn.Module | None = None
         self.true_vocab_size = 0
         self.sequence: ContextParallel | None = None
+        self.prediction: TokenPrediction | None = None  # extra prediction heads' runtime (multi-token prediction)
         self.moe_local: dict[int, MoELayer] = {}  # index among the model's MoE layers -> local layer
         self.tied_split: list[torch.nn.Parameter] = []  # one side of a tied pair split over the first and last stage
         self.executor: PipelineExecutor | None = None
@@ -136,6 +138,12 @@ class ParallelEngine:
         if par.recompute == "selective":
             recompute_selected(self.model)
         self._setup_sequence()
+        metrics = list(getattr(self.model, "prediction_metrics", ()) or ())
+        if metrics:
+            self.prediction = TokenPrediction(
+                grid.tp_group, grid.tp_rank, grid.cp_group, grid.cp, self.true_vocab_size, self.sequence, metrics
+            )
+            self.model.set_prediction_runtime(self.prediction)
         self.moe_local = self.experts.attach(self.model, local.moe_layers)
         with torch.device("meta"):
             self.flops_model = entry.factory(model_args, vocab_multiple=model_args.make_vocab_size_divisible_by)
@@ -158,6 +166,7 @@ class ParallelEngine:
             gradients=self.data_parallel,
             block_parameters=self.data_parallel.block_parameters,
             sequence=self.sequence,
+            prediction=self.prediction,
         )
 
     def _setup_sequence(self) -> None:
@@ -222,6 +231,8 @@ class ParallelEngine:
         # auxiliary losses: the mean over micro-batches. Each cp rank back-propagates the micro-batch's
         # loss through its own tokens only and DP x CP averages, so each gets cp times the weight.
         self.experts.grad_scale = self.grid.cp / len(micro_batches)
+        if self.prediction is not None:
+            self.prediction.start_step(len(micro_batches))
         with self.first_step:
             loss = self._run(micro_batches, train=True)
         self.data_parallel.finish_step()
@@ -236,6 +247,9 @@ class ParallelEngine:
                 self.moe_local, len(self.local.moe_layers), self.local.moe_experts, self.grid
             )
         metrics = routing.metrics() if routing is not None else {}
+        if self.prediction is not None:  # every rank takes part: the losses live on the last stage
+            for name, value in self.prediction.step_sums().items():
+                metrics[name] = self.grid.loss_on_every_rank(value.to(self.device))
         if not math.isfinite(loss):
             return StepOutput(loss, None, skipped=True, metrics=metrics)
         norm = global_grad_norm(self.trainables, self.data_parallel, self.grid, self.device)

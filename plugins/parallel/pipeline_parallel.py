@@ -22,6 +22,7 @@ from .build import LocalModel
 from .context_parallel import ContextParallel
 from .data_parallel import BlockParameters
 from .grid import ProcessGrid
+from .prediction import TokenPrediction
 
 _HEADER = 8  # ndim + up to 7 dims
 
@@ -96,12 +97,14 @@ class PipelineExecutor:
         gradients: GradientHooks | None = None,
         block_parameters: BlockParameters | None = None,
         sequence: ContextParallel | None = None,
+        prediction: TokenPrediction | None = None,
     ):
         """`block_parameters`: gathered before each block runs and released after (ZeRO-3); None when
         parameters are always whole. `gradients` hears of each backward (None: evaluation only)."""
         self.grid, self.local, self.schedule, self.loss_fn = grid, local, schedule, loss_fn
         self.chunk_modules = chunk_modules
         self.sequence = sequence  # context parallelism / document masking: this rank's tokens and their layout
+        self.prediction = prediction  # extra prediction heads: they read the micro-batch's whole labels
         self.recompute = recompute
         self.gradients = gradients
         self.params = block_parameters
@@ -145,6 +148,7 @@ class PipelineExecutor:
         device = self.grid.device
         inputs = [mb[:, :-1].to(device, non_blocking=True) for mb in micro_batches]
         labels = [mb[:, 1:].to(device, non_blocking=True) for mb in micro_batches]
+        self.whole_labels = labels
         sequence, layouts = self.sequence, []
         if sequence is not None:  # every cp rank read the whole samples; each keeps its chunks
             layouts = [sequence.prepare(x) for x in inputs]
@@ -179,6 +183,8 @@ class PipelineExecutor:
                 else:
                     x = self.p2p.recv(self._owner(stage - 1), (0, stage, m))
                     x.requires_grad_(train)
+                if self.prediction is not None and stage == self.last_stage:
+                    self.prediction.labels = self.whole_labels[m]
                 with torch.set_grad_enabled(train):
                     y = self._run_chunk(c, x, train)
                     if stage == self.last_stage:

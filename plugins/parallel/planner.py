@@ -261,6 +261,10 @@ def _activations(
                 continue  # the embedding keeps only the token ids
             if block == blocks[-1]:
                 elements += head + logits
+                if "model.mtp" in block:  # each multi-token prediction module: a layer, its head, its loss's softmax
+                    depth = len(model.get_submodule("model.mtp"))
+                    mtp_layer = sparse_layer if moe_layers else layer
+                    elements += depth * (mtp_layer + 5 * hidden + head + logits * (1 + 4 / dtype_bytes))
                 continue
             if par.recompute == "full":
                 elements += hidden / sp  # a recomputed block keeps its input only

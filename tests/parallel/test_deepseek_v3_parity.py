@@ -28,20 +28,21 @@ LAYOUTS = {
 }
 
 
-def deepseek_config(tmp, par: dict | None = None, **sections) -> dict:
+def deepseek_config(tmp, par: dict | None = None, mtp: bool = False, **sections) -> dict:
     par = par or layout()
     tokens = {"batch_accumulation_per_replica": GLOBAL_MICROBATCHES // par["dp"]}
-    model = {"model_config": dict(TINY_DEEPSEEK_V3)}
+    model = {"model_config": {**TINY_DEEPSEEK_V3, **(MTP if mtp else {})}}
     return tiny_config(tmp, model=model, parallelism=par, tokens=tokens, **sections)
 
 
-_reference: dict[str, dict] = {}
+MTP = {"num_nextn_predict_layers": 1, "mtp_loss_coef": 0.3}
+_reference: dict[bool, dict] = {}
 
 
-def reference(tmp_path_factory) -> dict:
-    if "ref" not in _reference:
-        _reference["ref"] = run_training(deepseek_config(tmp_path_factory.mktemp("deepseek_reference")))
-    return _reference["ref"]
+def reference(tmp_path_factory, mtp: bool = False) -> dict:
+    if mtp not in _reference:
+        _reference[mtp] = run_training(deepseek_config(tmp_path_factory.mktemp("deepseek_reference"), mtp=mtp))
+    return _reference[mtp]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -50,3 +51,11 @@ def test_deepseek_v3_layout_matches_single_process(name, tmp_path, tmp_path_fact
     world = par["dp"] * par["tp"] * par["pp"] * par.get("context_parallel_size", 1)
     run = run_training(deepseek_config(tmp_path, par, **extra), world)
     moe_parity.assert_matches(run, reference(tmp_path_factory), metrics=("moe_max_load",))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_deepseek_v3_with_mtp_matches_single_process(name, tmp_path, tmp_path_factory):
+    par, extra = LAYOUTS[name]
+    world = par["dp"] * par["tp"] * par["pp"] * par.get("context_parallel_size", 1)
+    run = run_training(deepseek_config(tmp_path, par, mtp=True, **extra), world)
+    moe_parity.assert_matches(run, reference(tmp_path_factory, mtp=True), metrics=("moe_max_load", "mtp_loss"))

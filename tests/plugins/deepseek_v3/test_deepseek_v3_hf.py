@@ -1,7 +1,7 @@
 """`nanocore convert` with transformers' DeepseekV3ForCausalLM: a folder transformers wrote converts to
 a nanocore checkpoint with equal logits and greedy generation, and back to a folder transformers loads
-with the same tensors and logits; nanocore -> HF -> nanocore is exact; MTP weights are dropped with a
-warning (nanocore does not train them yet)."""
+with the same tensors and logits; nanocore -> HF -> nanocore is exact, multi-token prediction modules
+included (as DeepSeek's layers after the last)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from nanocore.checkpoint.model import load_checkpoint_model
 from nanocore.commands.cli import run as cli
@@ -135,19 +135,27 @@ def test_nanocore_to_hf_to_nanocore_is_exact(tmp_path):
     assert all(torch.equal(back_state[k], state[k]) for k in state)
 
 
-def test_mtp_weights_are_dropped_with_a_warning(tmp_path, capfd):
-    hf_dir = save_hf(tmp_path / "hf")
-    config = json.loads((hf_dir / "config.json").read_text())
-    config["num_nextn_predict_layers"] = 1
-    (hf_dir / "config.json").write_text(json.dumps(config))
-    weights = load_file(hf_dir / "model.safetensors")
-    weights["model.layers.3.eh_proj.weight"] = torch.zeros(48, 96)  # DeepSeek's MTP module after the last layer
-    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
-    assert cli(["convert", "--from-hf", str(hf_dir), str(tmp_path / "nanocore")]) == 0
-    assert "1 multi-token prediction module(s) (1 tensors) dropped" in capfd.readouterr().err
-    assert (
-        load_config(
-            tmp_path / "nanocore" / "0" / "config.yaml", world_size=1
-        ).config.model.model_config.num_nextn_predict_layers
-        == 0
+def test_mtp_modules_travel_as_deepseeks_layers_after_the_last(tmp_path):
+    """MTP module k is layer num_hidden_layers + k in a transformers folder (with its own copies of the
+    embedding and head, as DeepSeek's checkpoints hold them); transformers runs the model without them."""
+    config = tiny(num_nextn_predict_layers=2, mtp_loss_coef=0.2)
+    model = make(config)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for k in range(2):  # a checkpoint holds each tied pair once, under the model's own names
+        del state[f"model.mtp.{k}.embed_tokens.weight"], state[f"model.mtp.{k}.shared_head.head.weight"]
+    hf_config, hf_state = deepseek_hf.to_hf(config, state)
+    assert hf_config["num_nextn_predict_layers"] == 2
+    assert torch.equal(hf_state["model.layers.4.eh_proj.weight"], state["model.mtp.1.eh_proj.weight"])
+    assert torch.equal(hf_state["model.layers.3.shared_head.head.weight"], state["lm_head.weight"])
+    assert torch.equal(hf_state["model.layers.3.embed_tokens.weight"], state["model.embed_tokens.weight"])
+    write_hf(tmp_path, hf_config, hf_state)
+    theirs = hf_model(tmp_path)
+    ids = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_diff(model(ids), theirs(ids).logits) <= 1e-5
+    back_config, back_state = deepseek_hf.from_hf(
+        json.loads((tmp_path / "config.json").read_text()), load_file(tmp_path / "model.safetensors")
     )
+    assert back_config == config
+    assert back_state.keys() == state.keys()
+    assert all(torch.equal(back_state[k], state[k]) for k in state)

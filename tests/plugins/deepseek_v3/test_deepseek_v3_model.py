@@ -126,7 +126,7 @@ def check(tp: int = 1, ep: int = 1, **overrides) -> list[str]:
         (1, 1, {"n_group": 8, "topk_group": 1}, "topk_group"),  # one group of one expert < top-2
         (1, 3, {}, "n_routed_experts"),
         (1, 1, {"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
-        (1, 1, {"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
+        (1, 1, {"num_nextn_predict_layers": 1, "mtp_loss_coef": -1.0}, "mtp_loss_coef"),
     ],
 )
 def test_check_names_each_config_problem(tp, ep, overrides, key):

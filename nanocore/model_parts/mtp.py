@@ -68,7 +68,9 @@ class MultiTokenPrediction(nn.ModuleList):
         self.loss_coef = loss_coef
         self.runtime: PredictionRuntime | None = None
 
+    @torch.compiler.disable
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Eager inside a compiled block (`model.compile`): it reads the engine's per-micro-batch state."""
         runtime = self.runtime
         if runtime is None or not self.training or not torch.is_grad_enabled():
             return hidden

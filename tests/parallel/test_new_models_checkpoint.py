@@ -14,7 +14,12 @@ from tests.helpers.training import run_training, tiny_config
 
 pytestmark = pytest.mark.slow
 
-MODELS = {"qwen3": TINY_QWEN3, "qwen3_moe": TINY_QWEN3_MOE, "deepseek_v3": TINY_DEEPSEEK_V3}
+MODELS = {
+    "qwen3": TINY_QWEN3,
+    "qwen3_moe": TINY_QWEN3_MOE,
+    "deepseek_v3": TINY_DEEPSEEK_V3,
+    "deepseek_v3_mtp": {**TINY_DEEPSEEK_V3, "num_nextn_predict_layers": 1},
+}
 CASES = {
     "qwen3_dp2_tp2_zero1_to_pp2": ("qwen3", (layout(dp=2, tp=2), 1), (layout(pp=2, pp_engine="1f1b"), 0)),
     "qwen3_moe_ep2_to_tp2_reduce_scatter": (
@@ -27,7 +32,12 @@ CASES = {
         (layout(dp=2, tp=2, expert_parallel_size=2), 1),
         (layout(), 0),
     ),
-    "deepseek_v3_one_process_to_tp2_pp2": ("deepseek_v3", (layout(), 0), (layout(tp=2, pp=2, pp_engine="1f1b"), 0)),
+    # with multi-token prediction: its embedding is tied across the first and last stage after the resume
+    "deepseek_v3_mtp_one_process_to_tp2_pp2": (
+        "deepseek_v3_mtp",
+        (layout(), 0),
+        (layout(tp=2, pp=2, pp_engine="1f1b"), 0),
+    ),
 }
 
 

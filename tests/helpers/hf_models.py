@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tests.helpers.deepseek_v3 import BASE as DEEPSEEK_BASE
+
 TINY_HF_LLAMA: dict[str, Any] = {
     "vocab_size": 67,  # odd: tensor parallelism pads it, and the padding must disappear on export
     "hidden_size": 32,
@@ -41,3 +43,66 @@ def hf_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder).eval()  # float32 files load as float32
+
+
+TINY_HF_QWEN3 = {
+    "vocab_size": 67,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "rope_theta": 1e6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.2,  # large enough for varied routing and greedy continuations
+}
+TINY_HF_QWEN3_MOE = {**TINY_HF_QWEN3, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+               "norm_topk_prob": True, "mlp_only_layers": [0]}  # fmt: skip
+
+
+def save_hf_qwen3(folder: Path, moe: bool, **overrides: Any) -> Path:
+    """A random Qwen3 (or Qwen3-MoE) saved by transformers; norm weights random too."""
+    import transformers
+
+    torch.manual_seed(0)
+    if moe:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**TINY_HF_QWEN3_MOE, **overrides}))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**TINY_HF_QWEN3, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+TINY_HF_DEEPSEEK_V3 = {
+    **{k: v for k, v in DEEPSEEK_BASE.items() if k != "vocab_size"},
+    "vocab_size": 67,
+    "num_key_value_heads": 4,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "initializer_range": 0.2,  # large enough for varied routing and greedy continuations
+    "num_nextn_predict_layers": 0,
+}
+
+
+def save_hf_deepseek_v3(folder: Path, **overrides: Any) -> Path:
+    """A random DeepSeek-V3 saved by transformers; norms and the balancing bias random too."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**TINY_HF_DEEPSEEK_V3, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.uniform_(-0.1, 0.1)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder

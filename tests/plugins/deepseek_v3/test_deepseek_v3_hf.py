@@ -19,33 +19,8 @@ from nanocore.generation import generate
 from nanocore.hf_interop import write_hf
 from nanocore_plugins.deepseek_v3 import hf as deepseek_hf
 from tests.helpers.compare import rel_diff
-from tests.helpers.deepseek_v3 import BASE, YARN, make, tiny
-
-TINY_HF = {
-    **{k: v for k, v in BASE.items() if k != "vocab_size"},
-    "vocab_size": 67,
-    "num_key_value_heads": 4,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "initializer_range": 0.2,  # large enough for varied routing and greedy continuations
-    "num_nextn_predict_layers": 0,
-}
-
-
-def save_hf(folder: Path, **overrides) -> Path:
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**TINY_HF, **overrides}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.uniform_(-0.1, 0.1)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+from tests.helpers.deepseek_v3 import YARN, make, tiny
+from tests.helpers.hf_models import save_hf_deepseek_v3 as save_hf
 
 
 def hf_model(folder: Path):

@@ -19,40 +19,8 @@ from nanocore.generation import generate
 from nanocore.hf_interop import write_hf
 from nanocore_plugins.qwen3 import hf as qwen3_hf
 from tests.helpers.compare import rel_diff
+from tests.helpers.hf_models import save_hf_qwen3 as save_hf
 from tests.helpers.qwen3 import make, tiny, tiny_moe
-
-TINY_HF = {
-    "vocab_size": 67,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 64,
-    "rope_theta": 1e6,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "initializer_range": 0.2,  # large enough for varied routing and greedy continuations
-}
-TINY_HF_MOE = {**TINY_HF, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
-               "norm_topk_prob": True, "mlp_only_layers": [0]}  # fmt: skip
-
-
-def save_hf(folder: Path, moe: bool, **overrides) -> Path:
-    import transformers
-
-    torch.manual_seed(0)
-    if moe:
-        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**TINY_HF_MOE, **overrides}))
-    else:
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**TINY_HF, **overrides}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 def hf_model(folder: Path):

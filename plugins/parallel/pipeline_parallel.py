@@ -148,19 +148,19 @@ class PipelineExecutor:
         device = self.grid.device
         inputs = [mb[:, :-1].to(device, non_blocking=True) for mb in micro_batches]
         labels = [mb[:, 1:].to(device, non_blocking=True) for mb in micro_batches]
-        self.whole_labels = labels
+        whole_labels = labels  # multi-token prediction reads every position's labels, unsharded
         sequence, layouts = self.sequence, []
         if sequence is not None:  # every cp rank read the whole samples; each keeps its chunks
             layouts = [sequence.prepare(x) for x in inputs]
             inputs = [sequence.shard(x) for x in inputs]
             labels = [sequence.shard(y) for y in labels]
         try:
-            return self._run(inputs, labels, layouts, train)
+            return self._run(inputs, labels, whole_labels, layouts, train)
         finally:
             if sequence is not None:
                 sequence.layout = None
 
-    def _run(self, inputs: list, labels: list, layouts: list, train: bool) -> torch.Tensor:
+    def _run(self, inputs: list, labels: list, whole_labels: list, layouts: list, train: bool) -> torch.Tensor:
         m_count = len(inputs)
         device = self.grid.device
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -184,7 +184,7 @@ class PipelineExecutor:
                     x = self.p2p.recv(self._owner(stage - 1), (0, stage, m))
                     x.requires_grad_(train)
                 if self.prediction is not None and stage == self.last_stage:
-                    self.prediction.labels = self.whole_labels[m]
+                    self.prediction.labels = whole_labels[m]
                 with torch.set_grad_enabled(train):
                     y = self._run_chunk(c, x, train)
                     if stage == self.last_stage:

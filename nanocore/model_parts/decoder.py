@@ -21,7 +21,7 @@ from nanocore.errors import ConfigError
 from nanocore.model_api import KVCache, TiedWeightsMixin, TPStyle, count_matmul_parameters, init_normal
 from nanocore.model_parts.attention import GroupedQueryAttention, SequenceSlot
 from nanocore.model_parts.config import DecoderConfig
-from nanocore.model_parts.layers import GatedMLP, RMSNorm
+from nanocore.model_parts.layers import GatedMLP, RMSNorm, mlp_tp_plan
 from nanocore.model_parts.rotary import Rotary
 from nanocore.sequence_api import SequenceRuntime
 
@@ -114,9 +114,7 @@ class DecoderLM(TiedWeightsMixin, nn.Module):
         self.tp_plan: dict[str, TPStyle] = {
             "model.embed_tokens": "vocab_embedding",
             **self.attention_tp_plan(f"{layers_pattern}.self_attn"),
-            f"{layers_pattern}.mlp.gate_proj": "colwise",
-            f"{layers_pattern}.mlp.up_proj": "colwise",
-            f"{layers_pattern}.mlp.down_proj": "rowwise",
+            **mlp_tp_plan(f"{layers_pattern}.mlp"),
             "lm_head": "lm_head",
         }
         # Counted now, before an engine shards anything: every parameter but the input embedding
@@ -176,8 +174,15 @@ class DecoderLM(TiedWeightsMixin, nn.Module):
             x = layer(x, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(input_ids.shape[1])
+        else:
+            x = self.before_final_norm(x)
         logits: torch.Tensor = self.lm_head(self.model.norm(x))
         return logits
+
+    def before_final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """What the final norm reads when training (not when generating with a KV cache): the last
+        layer's output here; a model type may run more on it (DeepSeek-V3's multi-token prediction)."""
+        return x
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Fill the full tensor for `name`: normal(0, std) weights, output projections scaled, norms 1, biases 0."""

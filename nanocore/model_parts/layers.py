@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanocore.model_api import TPStyle
+
 ACT_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
@@ -45,3 +47,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         return out
+
+
+def mlp_tp_plan(prefix: str) -> dict[str, TPStyle]:
+    """The TP plan of a `GatedMLP` under `prefix`: gate and up split by output column, down by input row
+    (one all-reduce, or reduce-scatter under sequence parallelism, after down_proj)."""
+    return {f"{prefix}.gate_proj": "colwise", f"{prefix}.up_proj": "colwise", f"{prefix}.down_proj": "rowwise"}

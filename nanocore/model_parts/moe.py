@@ -42,7 +42,7 @@ from nanocore import moe_api
 from nanocore.model_api import TPStyle, init_normal
 from nanocore.model_parts.config import DecoderConfig
 from nanocore.model_parts.decoder import DecoderLM
-from nanocore.model_parts.layers import ACT_FNS, GatedMLP
+from nanocore.model_parts.layers import ACT_FNS, GatedMLP, mlp_tp_plan
 from nanocore.moe_api import ExpertRuntime, LocalExperts, MoEStatistics, attach_aux_loss, expert_matmul
 
 EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
@@ -278,10 +278,16 @@ class SparseMoeBlock(nn.Module):
 
 class MoEDecoderLM(DecoderLM):
     """A `DecoderLM` whose MLPs are `SparseMoeBlock`s where `is_sparse_layer(i)` (dense `GatedMLP`s
-    elsewhere); lists them in `moe_layers`. A model type gives `moe_spec()` from its config."""
+    elsewhere); lists them in `moe_layers`. A model type gives `sparse_block()` from its config."""
+
+    def sparse_block(self) -> MoESpec:
+        """The sparse block, as the model type's config says (its `num_moe_layers` is counted here)."""
+        raise NotImplementedError
 
     def moe_spec(self) -> MoESpec:
-        raise NotImplementedError
+        """`sparse_block()` with L in the auxiliary losses set to the decoder's sparse layers."""
+        sparse = sum(self.is_sparse_layer(i) for i in range(self.config.num_hidden_layers))
+        return attrs.evolve(self.sparse_block(), num_moe_layers=max(sparse, 1))
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         return True
@@ -309,9 +315,7 @@ class MoEDecoderLM(DecoderLM):
         if shared:
             prefixes.append("model.layers.*.mlp.shared_experts")
         for prefix in prefixes:
-            plan.update(
-                {f"{prefix}.gate_proj": "colwise", f"{prefix}.up_proj": "colwise", f"{prefix}.down_proj": "rowwise"}
-            )
+            plan.update(mlp_tp_plan(prefix))
         return plan
 
     def make_mlp(self, layer_idx: int) -> nn.Module:

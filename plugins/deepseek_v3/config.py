@@ -88,7 +88,7 @@ class DeepseekV3Config(DecoderConfig):
         return layer_idx >= self.first_k_dense_replace
 
     def moe_spec(self) -> MoESpec:
-        sparse = sum(self.is_sparse_layer(i) for i in range(self.num_hidden_layers))
+        """The sparse block of the sparse layers (`nanocore.model_parts.moe`; the model counts them)."""
         return MoESpec(
             hidden_size=self.hidden_size,
             num_experts=self.n_routed_experts,
@@ -100,7 +100,6 @@ class DeepseekV3Config(DecoderConfig):
             aux_loss_coef=self.router_aux_loss_coef,
             z_loss_coef=self.router_z_loss_coef,
             bias_update_rate=self.router_bias_update_rate,
-            num_moe_layers=max(sparse, 1),
             shared_intermediate_size=self.moe_intermediate_size * self.n_shared_experts,
             n_group=self.n_group,
             topk_group=self.topk_group,

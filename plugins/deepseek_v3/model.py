@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanocore.model_api import KVCache, PredictionRuntime, TPStyle, count_matmul_parameters
+from nanocore.model_api import PredictionRuntime, TPStyle, count_matmul_parameters
 from nanocore.model_parts.attention import SequenceSlot
+from nanocore.model_parts.layers import mlp_tp_plan
 from nanocore.model_parts.mla import MultiHeadLatentAttention, mla_tp_plan
 from nanocore.model_parts.moe import MoEDecoderLM, MoESpec
 from nanocore.model_parts.mtp import MTPLayer, MultiTokenPrediction
@@ -59,9 +60,9 @@ class DeepseekV3ForCausalLM(MoEDecoderLM):
             if self.is_sparse_layer(config.num_hidden_layers + k):
                 self.moe_layers.append(f"{prefix}.mlp")
                 if config.n_shared_experts:
-                    self.tp_plan.update(_mlp_tp_plan(f"{prefix}.mlp.shared_experts"))
+                    self.tp_plan.update(mlp_tp_plan(f"{prefix}.mlp.shared_experts"))
             else:
-                self.tp_plan.update(_mlp_tp_plan(f"{prefix}.mlp"))
+                self.tp_plan.update(mlp_tp_plan(f"{prefix}.mlp"))
         self.tie_weights()
         self._matmul_params = count_matmul_parameters(self, ["model.embed_tokens.weight"], self.active_fraction)
 
@@ -77,18 +78,12 @@ class DeepseekV3ForCausalLM(MoEDecoderLM):
             blocks[-1] = ["model.mtp", *blocks[-1]]
         return blocks
 
-    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, kv_cache)
-        if kv_cache is not None:
-            kv_cache.advance(input_ids.shape[1])
-        elif self.mtp_depth:
+    def before_final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mtp_depth:
             x = self.model.mtp(x)
-        logits: torch.Tensor = self.lm_head(self.model.norm(x))
-        return logits
+        return x
 
-    def moe_spec(self) -> MoESpec:
+    def sparse_block(self) -> MoESpec:
         return self.config.moe_spec()
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
@@ -138,7 +133,3 @@ class DeepseekV3ForCausalLM(MoEDecoderLM):
         c = self.config
         attention = 6 * c.num_hidden_layers * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * sequence_length
         return 6 * self._matmul_params + attention
-
-
-def _mlp_tp_plan(prefix: str) -> dict[str, TPStyle]:
-    return {f"{prefix}.gate_proj": "colwise", f"{prefix}.up_proj": "colwise", f"{prefix}.down_proj": "rowwise"}

@@ -89,7 +89,7 @@ class MixtralConfig(LlamaConfig):
         return self.intermediate_size * self.num_shared_experts
 
     def moe_spec(self) -> MoESpec:
-        """The sparse block every layer has (`nanocore.model_parts.moe`)."""
+        """The sparse block every layer has (`nanocore.model_parts.moe`; the model counts the layers)."""
         return MoESpec(
             hidden_size=self.hidden_size,
             num_experts=self.num_local_experts,
@@ -101,7 +101,6 @@ class MixtralConfig(LlamaConfig):
             aux_loss_coef=self.router_aux_loss_coef,
             z_loss_coef=self.router_z_loss_coef,
             bias_update_rate=self.router_bias_update_rate,
-            num_moe_layers=self.num_hidden_layers,
             shared_intermediate_size=self.shared_intermediate_size if self.num_shared_experts else 0,
         )
 

@@ -19,5 +19,5 @@ class MixtralForCausalLM(MoEDecoderLM):
 
     config: MixtralConfig
 
-    def moe_spec(self) -> MoESpec:
+    def sparse_block(self) -> MoESpec:
         return self.config.moe_spec()

@@ -69,8 +69,7 @@ class Qwen3MoeConfig(Qwen3Config):
         )
 
     def moe_spec(self) -> MoESpec:
-        """The sparse block of the sparse layers (`nanocore.model_parts.moe`)."""
-        sparse = sum(self.is_sparse_layer(i) for i in range(self.num_hidden_layers))
+        """The sparse block of the sparse layers (`nanocore.model_parts.moe`; the model counts them)."""
         return MoESpec(
             hidden_size=self.hidden_size,
             num_experts=self.num_experts,
@@ -80,7 +79,6 @@ class Qwen3MoeConfig(Qwen3Config):
             norm_topk_prob=self.norm_topk_prob,
             aux_loss_coef=self.router_aux_loss_coef,
             z_loss_coef=self.router_z_loss_coef,
-            num_moe_layers=max(sparse, 1),
         )
 
     def problems(self, tp: int = 1, ep: int = 1) -> list[str]:

@@ -25,7 +25,7 @@ class Qwen3MoeForCausalLM(MoEDecoderLM):
     config: Qwen3MoeConfig
     qk_norm = True
 
-    def moe_spec(self) -> MoESpec:
+    def sparse_block(self) -> MoESpec:
         return self.config.moe_spec()
 
     def is_sparse_layer(self, layer_idx: int) -> bool:

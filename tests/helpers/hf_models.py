@@ -106,3 +106,52 @@ def save_hf_deepseek_v3(folder: Path, **overrides: Any) -> Path:
                 buf.uniform_(-0.1, 0.1)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def assert_same_logits(ours: torch.nn.Module, theirs: torch.nn.Module, ids: torch.Tensor, tol: float = 1e-5) -> None:
+    """Our logits within `tol` (relative to their largest magnitude) of a transformers model's on `ids`.
+    The same float32 math in other kernels (reductions of <= 96 terms) measures ~3e-7 on the tiny models."""
+    from tests.helpers.compare import rel_diff
+
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        got = ours(ids)
+    assert got.shape == expected.shape
+    assert rel_diff(got, expected) <= tol, rel_diff(got, expected)
+
+
+def assert_logits_and_greedy_generation_equal(ours: torch.nn.Module, theirs: Any, eos: int, vocab: int = 67) -> None:
+    """Equal logits on a random batch, and the same 16-token greedy continuation as transformers'
+    `generate` (one that is not constant, which would hide differences)."""
+    from nanocore.generation import generate
+
+    assert_same_logits(ours, theirs, torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1)))
+    prompt = [5, 17, 42, 3]
+    new = generate(ours, prompt, 16, temperature=0, eos_token_id=eos)
+    hf_out = theirs.generate(
+        torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=eos
+    )
+    assert new == hf_out[0, len(prompt) :].tolist()
+    assert len(set(new)) >= 2, "a constant continuation would hide differences"
+
+
+def assert_hf_round_trip_exact(folder: Path, model: torch.nn.Module, config: Any, state: dict, to_hf, from_hf) -> None:
+    """`state` (a checkpoint of `model`, built from `config`) converted by `to_hf` and written as
+    transformers' files loads in transformers with equal logits, and `from_hf` reads it back to the
+    same config and the same tensors, bit for bit."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from nanocore.hf_interop import write_hf
+
+    hf_config, hf_state = to_hf(config, state)
+    write_hf(folder, hf_config, hf_state)
+    ids = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    assert_same_logits(model, hf_model(folder), ids)
+    back_config, back_state = from_hf(
+        json.loads((folder / "config.json").read_text()), load_file(folder / "model.safetensors")
+    )
+    assert back_config == config
+    assert back_state.keys() == state.keys()
+    assert all(torch.equal(back_state[k], state[k]) for k in state)

@@ -15,18 +15,11 @@ from safetensors.torch import load_file
 from nanocore.checkpoint.model import load_checkpoint_model
 from nanocore.commands.cli import run as cli
 from nanocore.config.load import load_config
-from nanocore.generation import generate
-from nanocore.hf_interop import write_hf
 from nanocore_plugins.deepseek_v3 import hf as deepseek_hf
 from tests.helpers.compare import rel_diff
 from tests.helpers.deepseek_v3 import YARN, make, tiny
+from tests.helpers.hf_models import assert_hf_round_trip_exact, assert_logits_and_greedy_generation_equal, hf_model
 from tests.helpers.hf_models import save_hf_deepseek_v3 as save_hf
-
-
-def hf_model(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder).eval()
 
 
 def hf_config_fields(folder: Path) -> dict:
@@ -59,17 +52,7 @@ def test_converted_checkpoint_has_the_config_transformers_had(converted):
 
 def test_logits_and_greedy_generation_equal_transformers(converted):
     ours = load_checkpoint_model(converted["checkpoints"]).model
-    theirs = hf_model(converted["hf"])
-    ids = torch.randint(0, 67, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = theirs(ids).logits
-        got = ours(ids)
-    assert rel_diff(got, expected) <= 1e-5, rel_diff(got, expected)
-    prompt = [5, 17, 42, 3]
-    new = generate(ours, prompt, 16, temperature=0, eos_token_id=1)
-    hf_out = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=1, pad_token_id=1)
-    assert new == hf_out[0, len(prompt) :].tolist()
-    assert len(set(new)) >= 2, "a constant continuation would hide differences"
+    assert_logits_and_greedy_generation_equal(ours, hf_model(converted["hf"]), eos=1)
 
 
 def test_back_to_hf_gives_the_same_tensors_and_logits(converted):
@@ -96,18 +79,7 @@ def test_nanocore_to_hf_to_nanocore_is_exact(tmp_path):
     model = make(config)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     del state["lm_head.weight"]  # a checkpoint holds a tied pair once
-    hf_config, hf_state = deepseek_hf.to_hf(config, state)
-    write_hf(tmp_path, hf_config, hf_state)
-    theirs = hf_model(tmp_path)
-    ids = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert rel_diff(model(ids), theirs(ids).logits) <= 1e-5
-    back_config, back_state = deepseek_hf.from_hf(
-        json.loads((tmp_path / "config.json").read_text()), load_file(tmp_path / "model.safetensors")
-    )
-    assert back_config == config
-    assert back_state.keys() == state.keys()
-    assert all(torch.equal(back_state[k], state[k]) for k in state)
+    assert_hf_round_trip_exact(tmp_path, model, config, state, deepseek_hf.to_hf, deepseek_hf.from_hf)
 
 
 def test_mtp_modules_travel_as_deepseeks_layers_after_the_last(tmp_path):
@@ -123,14 +95,4 @@ def test_mtp_modules_travel_as_deepseeks_layers_after_the_last(tmp_path):
     assert torch.equal(hf_state["model.layers.4.eh_proj.weight"], state["model.mtp.1.eh_proj.weight"])
     assert torch.equal(hf_state["model.layers.3.shared_head.head.weight"], state["lm_head.weight"])
     assert torch.equal(hf_state["model.layers.3.embed_tokens.weight"], state["model.embed_tokens.weight"])
-    write_hf(tmp_path, hf_config, hf_state)
-    theirs = hf_model(tmp_path)
-    ids = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert rel_diff(model(ids), theirs(ids).logits) <= 1e-5
-    back_config, back_state = deepseek_hf.from_hf(
-        json.loads((tmp_path / "config.json").read_text()), load_file(tmp_path / "model.safetensors")
-    )
-    assert back_config == config
-    assert back_state.keys() == state.keys()
-    assert all(torch.equal(back_state[k], state[k]) for k in state)
+    assert_hf_round_trip_exact(tmp_path, model, config, state, deepseek_hf.to_hf, deepseek_hf.from_hf)

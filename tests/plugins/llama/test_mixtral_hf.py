@@ -15,10 +15,8 @@ from nanocore.checkpoint.model import load_checkpoint_model
 from nanocore.commands.cli import run as cli
 from nanocore.config.load import load_config
 from nanocore.errors import ConfigError
-from nanocore.generation import generate
-from nanocore.hf_interop import write_hf
 from nanocore_plugins.llama import mixtral_hf
-from tests.helpers.compare import rel_diff
+from tests.helpers.hf_models import assert_hf_round_trip_exact, assert_logits_and_greedy_generation_equal, hf_model
 from tests.helpers.mixtral import make, tiny
 
 TINY_HF_MIXTRAL = {
@@ -48,12 +46,6 @@ def save_hf_mixtral(folder: Path, seed: int = 0, **overrides) -> Path:
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
-
-
-def hf_model(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder).eval()
 
 
 def hf_config_fields(folder: Path) -> dict:
@@ -89,19 +81,7 @@ def test_converted_checkpoint_is_a_mixtral_config(converted):
 def test_logits_and_greedy_generation_equal_transformers(converted):
     ours = load_checkpoint_model(converted["checkpoints"]).model
     theirs = hf_model(converted["hf"])
-    ids = torch.randint(0, 67, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = theirs(ids).logits
-        got = ours(ids)
-    assert rel_diff(got, expected) <= 1e-5, rel_diff(got, expected)
-    prompt = [5, 17, 42, 3]
-    eos = theirs.config.eos_token_id
-    new = generate(ours, prompt, 16, temperature=0, eos_token_id=eos)
-    hf_out = theirs.generate(
-        torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=eos
-    )
-    assert new == hf_out[0, len(prompt) :].tolist()
-    assert len(set(new)) >= 2, "a constant continuation would hide differences"
+    assert_logits_and_greedy_generation_equal(ours, theirs, eos=theirs.config.eos_token_id)
 
 
 def test_back_to_hf_writes_fused_names_transformers_loads(converted):
@@ -127,18 +107,7 @@ def test_nanocore_to_hf_to_nanocore_is_exact(tmp_path, tied):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     if tied:
         del state["lm_head.weight"]  # a checkpoint holds a tied pair once
-    hf_config, hf_state = mixtral_hf.to_hf(config, state)
-    write_hf(tmp_path, hf_config, hf_state)
-    theirs = hf_model(tmp_path)
-    ids = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert rel_diff(model(ids), theirs(ids).logits) <= 1e-5
-    back_config, back_state = mixtral_hf.from_hf(
-        json.loads((tmp_path / "config.json").read_text()), load_file(tmp_path / "model.safetensors")
-    )
-    assert back_config == config
-    assert back_state.keys() == state.keys()
-    assert all(torch.equal(back_state[k], state[k]) for k in state)
+    assert_hf_round_trip_exact(tmp_path, model, config, state, mixtral_hf.to_hf, mixtral_hf.from_hf)
 
 
 def test_classic_and_fused_names_give_the_same_tensors():

@@ -5,7 +5,6 @@ is exact."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,18 +14,10 @@ from safetensors.torch import load_file
 from nanocore.checkpoint.model import load_checkpoint_model
 from nanocore.commands.cli import run as cli
 from nanocore.config.load import load_config
-from nanocore.generation import generate
-from nanocore.hf_interop import write_hf
 from nanocore_plugins.qwen3 import hf as qwen3_hf
-from tests.helpers.compare import rel_diff
+from tests.helpers.hf_models import assert_hf_round_trip_exact, assert_logits_and_greedy_generation_equal, hf_model
 from tests.helpers.hf_models import save_hf_qwen3 as save_hf
 from tests.helpers.qwen3 import make, tiny, tiny_moe
-
-
-def hf_model(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder).eval()
 
 
 def hf_config_fields(folder: Path) -> dict:
@@ -59,17 +50,7 @@ def test_converted_checkpoint_has_the_config_transformers_had(converted):
 
 def test_logits_and_greedy_generation_equal_transformers(converted):
     ours = load_checkpoint_model(converted["checkpoints"]).model
-    theirs = hf_model(converted["hf"])
-    ids = torch.randint(0, 67, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = theirs(ids).logits
-        got = ours(ids)
-    assert rel_diff(got, expected) <= 1e-5, rel_diff(got, expected)
-    prompt = [5, 17, 42, 3]
-    new = generate(ours, prompt, 16, temperature=0, eos_token_id=2)
-    hf_out = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=2, pad_token_id=2)
-    assert new == hf_out[0, len(prompt) :].tolist()
-    assert len(set(new)) >= 2, "a constant continuation would hide differences"
+    assert_logits_and_greedy_generation_equal(ours, hf_model(converted["hf"]), eos=2)
 
 
 def test_back_to_hf_gives_the_same_tensors_and_logits(converted):
@@ -99,15 +80,4 @@ def test_nanocore_to_hf_to_nanocore_is_exact(tmp_path, moe):
     if config.tie_word_embeddings:
         del state["lm_head.weight"]  # a checkpoint holds a tied pair once
     to_hf, from_hf = (qwen3_hf.to_hf_moe, qwen3_hf.from_hf_moe) if moe else (qwen3_hf.to_hf, qwen3_hf.from_hf)
-    hf_config, hf_state = to_hf(config, state)
-    write_hf(tmp_path, hf_config, hf_state)
-    theirs = hf_model(tmp_path)
-    ids = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert rel_diff(model(ids), theirs(ids).logits) <= 1e-5
-    back_config, back_state = from_hf(
-        json.loads((tmp_path / "config.json").read_text()), load_file(tmp_path / "model.safetensors")
-    )
-    assert back_config == config
-    assert back_state.keys() == state.keys()
-    assert all(torch.equal(back_state[k], state[k]) for k in state)
+    assert_hf_round_trip_exact(tmp_path, model, config, state, to_hf, from_hf)

@@ -11,6 +11,7 @@ from nanocore.config.schema import Config, ModelArgs, ParallelismArgs
 from nanocore.model_api import KVCache, check_model
 from nanocore_plugins.qwen3.config import Qwen3MoeConfig
 from tests.helpers.compare import rel_diff
+from tests.helpers.hf_models import assert_same_logits
 from tests.helpers.qwen3 import BASE, MOE, make, tiny, tiny_moe
 
 
@@ -63,14 +64,7 @@ def test_logits_match_transformers_with_the_same_weights(case):
     ours = make(config)
     ours.load_state_dict(reference.state_dict(), strict=True)
     check_model(ours, "qwen3")
-    tokens = ids()
-    with torch.no_grad():
-        expected = reference(tokens).logits
-        got = ours(tokens)
-    assert got.shape == expected.shape
-    # The same float32 math in other kernels (reductions of <= 96 terms): measured ~3e-7 of the
-    # logits' largest magnitude, as for LLaMA.
-    assert rel_diff(got, expected) <= 1e-5, rel_diff(got, expected)
+    assert_same_logits(ours, reference, ids())  # measured ~3e-7 of the logits' largest magnitude
 
 
 def test_the_qk_norm_is_what_makes_the_logits_match():

@@ -20,6 +20,7 @@ import attrs
 from nanocore.checkpoint.folder import LATEST, resolve_checkpoint, step_folders
 from nanocore.config.schema import Config
 from nanocore.errors import NanocoreError
+from nanocore.run_lock import LOCK_NAMES
 
 LATEST_KEYWORD = "latest"
 
@@ -81,7 +82,11 @@ def _refuse_if_used(root: Path, log_dir: Path, *, resumed: bool) -> None:
             f"checkpoints.checkpoints_path {str(root)!r} already holds checkpoints of another run ({_shown(saved)})"
         )
     # the checkpoints folder may sit inside the log dir; it is judged above, by its checkpoints
-    logs = sorted(p.name for p in log_dir.iterdir() if p.resolve() != root.resolve()) if log_dir.is_dir() else []
+    logs = (
+        sorted(p.name for p in log_dir.iterdir() if p.resolve() != root.resolve() and p.name not in LOCK_NAMES)
+        if log_dir.is_dir()
+        else []
+    )
     if logs:
         problems.append(f"logging.log_dir {str(log_dir)!r} already holds logs of another run ({_shown(logs)})")
     if not problems:

@@ -31,12 +31,14 @@ from nanocore.data.schedule import DataSchedule
 from nanocore.engine_api import Engine
 from nanocore.errors import NanocoreError, TrainingError, TrainingInterrupted, explain_collective_failure
 from nanocore.hf_interop import init_reader, is_hf_folder
+from nanocore.launch_env import launch_env
 from nanocore.logging_api import LoggerContext
 from nanocore.lr_schedule import LRSchedule
 from nanocore.memory import MemoryMeter, return_freed_memory
 from nanocore.mfu import mfu, peak_flops_per_device
 from nanocore.plugins import is_plugin_file
 from nanocore.run_folders import clear_for_overwrite, plan_run_folders
+from nanocore.run_lock import FolderLocks, lock_run_folders
 from nanocore.signals import StopRequests
 from nanocore.summary import RunFacts, run_summary
 
@@ -57,13 +59,27 @@ class Trainer:
         self.run_id = uuid.uuid4().hex[:16]  # replaced by the checkpoint's when this run continues
         # Decided before any process group exists: a refusal leaves everything on disk as it was.
         self.folders = plan_run_folders(cfg)
-        self.checkpoint_root = self.folders.checkpoints
+        self.folder_locks = FolderLocks()
         self.loggers: list[Any] = []
         self._closed = False
         self._pending: BackgroundWrite | None = None  # an asynchronous checkpoint being written
         self._host_model, self._host_optimizer = HostBuffers(), HostBuffers()  # its copies (async_save)
-        engine_entry = self.registries.parallel_engine.get(cfg.parallelism.engine)
-        self.engine: Engine = engine_entry.factory(cfg, self.registries)
+        try:
+            if launch_env().rank == 0:  # holds the folders for the whole launch (nanocore/run_lock.py)
+                self.folder_locks = lock_run_folders(
+                    {"checkpoints.checkpoints_path": self.folders.checkpoints, "logging.log_dir": self.folders.log_dir},
+                    cfg.checkpoints.folder_lock,
+                    self.run_name,
+                )
+                # again, now that no other run can start here: one that ended while this run was
+                # starting may have left checkpoints, and `latest` may have moved
+                self.folders = plan_run_folders(cfg)
+            self.checkpoint_root = self.folders.checkpoints
+            engine_entry = self.registries.parallel_engine.get(cfg.parallelism.engine)
+            self.engine: Engine = engine_entry.factory(cfg, self.registries)
+        except BaseException:
+            self.folder_locks.release()
+            raise
         try:
             self._build()
         except BaseException as exc:
@@ -452,6 +468,7 @@ class Trainer:
         if not self._closed:
             self._closed = True
             self.engine.shutdown()
+        self.folder_locks.release()  # last: nothing of this run writes to its folders after this
 
 
 def run_training(loaded: LoadedConfig) -> list[float]:

@@ -13,6 +13,7 @@ from nanocore.config.schema import Config
 from nanocore.dtypes import DTYPE_NAMES
 from nanocore.errors import ConfigError
 from nanocore.registry import Entry, Registries
+from nanocore.run_lock import LOCK_KINDS
 from nanocore.tp_api import TPMode
 
 WARMUP_STYLES = ("linear", "constant")
@@ -75,6 +76,10 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
         p.append("optimizer.learning_rate_scheduler: need 0 <= min_decay_lr <= learning_rate")
     if opt.clip_grad is not None and opt.clip_grad <= 0:
         p.append(f"optimizer.clip_grad: must be positive or null, got {opt.clip_grad}")
+    if config.checkpoints.folder_lock not in LOCK_KINDS:
+        p.append(
+            f"checkpoints.folder_lock: must be one of {', '.join(LOCK_KINDS)}; got {config.checkpoints.folder_lock!r}"
+        )
     keep = config.checkpoints.keep_last_n
     if keep is not None and keep < 1:
         p.append(f"checkpoints.keep_last_n: must be at least 1, or null to keep every checkpoint; got {keep}")

@@ -58,6 +58,14 @@ class CheckpointsArgs:
     load_lr_scheduler: bool = doc(
         "Restore the LR scheduler on resume (false: a fresh warmup and decay start at the resumed step).", default=True
     )
+    folder_lock: str = doc(
+        "How a run holds checkpoints_path and logging.log_dir while it lives, so that a second run into them is "
+        "refused: `auto` (flock on .nanocore-lock in each folder, released by the kernel however the run ends; a "
+        "lock file where the file system refuses flock), `flock`, `file` (.nanocore-lock.run naming host, pid and "
+        "start time, removed when the run ends: for file systems whose locks are unreliable) or `none` "
+        "(docs/checkpoints.md).",
+        default="auto",
+    )
 
 
 @attrs.define

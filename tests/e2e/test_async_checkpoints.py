@@ -46,7 +46,7 @@ def test_async_saves_write_what_synchronous_saves_write(dp, tmp_path):
         runs[mode] = run_training(raw, dp)
     assert runs["async"]["losses"] == runs["sync"]["losses"]
     sync_root, async_root = tmp_path / "sync" / "checkpoints", tmp_path / "async" / "checkpoints"
-    assert sorted(p.name for p in async_root.iterdir()) == ["2", "4", "6", "latest.txt"]
+    assert sorted(p.name for p in async_root.iterdir()) == [".nanocore-lock", "2", "4", "6", "latest.txt"]
     assert (async_root / "latest.txt").read_text().strip() == "6"
     files = saved_files(async_root)
     assert (

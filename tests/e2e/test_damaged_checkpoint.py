@@ -140,7 +140,7 @@ def test_a_disk_that_fills_up_mid_run_is_one_message_and_keeps_the_last_checkpoi
     message = one_error(result)
     assert message.startswith(f"could not save the checkpoint of step 4 in {root}: [Errno 27] File too large"), message
     assert f"the last good checkpoint ({root / '2'}) and latest.txt are as they were" in message
-    assert sorted(p.name for p in root.iterdir()) == ["2", LATEST]
+    assert sorted(p.name for p in root.iterdir()) == [".nanocore-lock", "2", LATEST]
     assert (root / LATEST).read_text().strip() == "2"
     verify_checkpoint(root / "2")
 
@@ -203,7 +203,7 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_both(tmp_path):
     on_rank_0, on_rank_1 = run_ranks(2, _rank_with_a_full_disk, dp2_config(tmp_path, 4), timeout=600)
     assert on_rank_0.startswith(f"could not save the checkpoint of step 4 in {root}: another rank could not write")
     assert on_rank_1.startswith(f"could not save the checkpoint of step 4 in {root}: [Errno 27] File too large")
-    assert sorted(p.name for p in root.iterdir()) == ["2", LATEST]
+    assert sorted(p.name for p in root.iterdir()) == [".nanocore-lock", "2", LATEST]
     verify_checkpoint(root / "2")
 
 

@@ -96,14 +96,14 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(tmp_p
     assert "last good checkpoint is 4" in message
     ckpts = tmp_path / "checkpoints"
     assert (ckpts / "latest.txt").read_text().strip() == "4"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["2", "4", "latest.txt"]
+    assert sorted(p.name for p in ckpts.iterdir()) == [".nanocore-lock", "2", "4", "latest.txt"]
 
 
 def test_save_initial_state_writes_step_0_and_load_lr_scheduler_false_restarts_the_schedule(tmp_path):
     config = two_stage_config(tmp_path / "a", checkpoints={"checkpoint_interval": 4, "save_initial_state": True})
     run_training(config)
     ckpts = tmp_path / "a" / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["0", "4", "8", "latest.txt"]
+    assert sorted(p.name for p in ckpts.iterdir()) == [".nanocore-lock", "0", "4", "8", "latest.txt"]
     assert json.loads((ckpts / "0" / "meta.json").read_text())["step"] == 0
 
     def lrs_after_resume(tmp, **checkpoints) -> list[float]:

@@ -94,7 +94,7 @@ def test_latest_starts_fresh_then_continues_after_a_preemption(tmp_path):
 def test_overwrite_replaces_the_earlier_run(tmp_path):
     run_training(config(tmp_path, steps=4))
     result = run_training(config(tmp_path, seed=8, steps=2, overwrite=True))
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "latest.txt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".nanocore-lock", "2", "latest.txt"]
     assert (tmp_path / "checkpoints" / "latest.txt").read_text().strip() == "2"
     assert [r["lm_loss"] for r in rows(tmp_path)] == result["losses"], "the old run's rows are replaced"
 

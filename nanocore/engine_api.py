@@ -29,9 +29,17 @@ class StepOutput:
 
     loss: float  # mean token loss over the global batch
     grad_norm: float | None  # global gradient norm before clipping
-    skipped: bool = False  # True when the loss was not finite and no update was made
+    skipped: bool = False  # no update was made: a non-finite loss or gradient norm, or the step guard said no
     # further figures the engine measured (MoE: moe_aux_loss, moe_z_loss, moe_max_load), logged beside lm_loss
     metrics: dict[str, float] = attrs.field(factory=dict)
+
+
+class StepGuard(Protocol):
+    """Asked by `Engine.train_step` once the step's loss and global gradient norm are known (both reduced:
+    identical on every rank) and before the optimizer steps: False leaves weights and optimizer state
+    untouched (`StepOutput.skipped`). `nanocore.spike_guard.SpikeGuard` is the trainer's."""
+
+    def accept(self, loss: float, grad_norm: float) -> bool: ...
 
 
 class Engine(Protocol):
@@ -56,8 +64,10 @@ class Engine(Protocol):
     def setup_optimizer(self, optimizer: Entry, zero: Entry, optimizer_args: OptimizerArgs) -> None:
         """Create the optimizer over this rank's parameters (ZeRO stage `zero`)."""
 
-    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepOutput:
-        """Forward + backward over the micro-batches, reduce gradients, clip, and step at `lr`."""
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float, guard: StepGuard | None = None) -> StepOutput:
+        """Forward + backward over the micro-batches, reduce gradients, clip, and step at `lr`. No update (and
+        `skipped`) when the loss or the gradient norm is not finite, or when `guard` rejects the step; with a
+        guard, it is asked about non-finite values too (a NaN gradient norm when the loss is NaN)."""
 
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
         """Mean token loss of the micro-batches (no gradients); identical on every rank."""

@@ -40,6 +40,7 @@ from nanocore.plugins import is_plugin_file
 from nanocore.run_folders import clear_for_overwrite, plan_run_folders
 from nanocore.run_lock import FolderLocks, lock_run_folders
 from nanocore.signals import StopRequests
+from nanocore.spike_guard import SpikeGuard
 from nanocore.summary import RunFacts, run_summary
 
 log = logging.getLogger("nanocore")
@@ -105,6 +106,7 @@ class Trainer:
             opt,
         )
         lr_args = opt.learning_rate_scheduler
+        self.guard = SpikeGuard(opt.skip_spikes) if opt.skip_spikes.enabled else None
         self.lr_schedule = LRSchedule(
             lr_args, cfg.tokens.train_steps, self.registries.lr_decay.get(lr_args.lr_decay_style).factory
         )
@@ -213,6 +215,8 @@ class Trainer:
         if cfg.load_lr_scheduler:
             self.lr_schedule.load_state_dict(meta.lr_scheduler)
         self.data.load_state_dict(meta.data)
+        if self.guard is not None and meta.spike_guard:
+            self.guard.load_state_dict(meta.spike_guard)
         self.step = meta.step
         self.consumed_tokens = meta.consumed_tokens
         same_layout = meta.topology.world_size == self.engine.world_size
@@ -264,6 +268,7 @@ class Trainer:
                     lr_scheduler=self.lr_schedule.state_dict(),
                     model_type=cfg.model.model_type,
                     run_id=self.run_id,
+                    spike_guard=self.guard.state_dict() if self.guard is not None else None,
                 )
                 write_meta(tmp, meta)
                 (tmp / "config.yaml").write_text(yaml.safe_dump(self._portable_config(), sort_keys=False))
@@ -400,25 +405,26 @@ class Trainer:
         # (checkpoints.load_lr_scheduler: false), which begins a fresh warmup and decay
         lr = self.lr_schedule.lr_at(self.lr_schedule.step + 1)
         start = time.perf_counter()
-        out = self.engine.train_step(micro_batches, lr)
+        if self.guard is None:  # an engine written before the guard existed takes two arguments
+            out = self.engine.train_step(micro_batches, lr)
+        else:
+            out = self.engine.train_step(micro_batches, lr, guard=self.guard)
         elapsed = time.perf_counter() - start
-        if out.skipped or not math.isfinite(out.loss):
-            last = self.checkpoint_root / "latest.txt"
-            where = (
-                f"the last good checkpoint is {last.read_text().strip()} in {self.checkpoint_root}"
-                if last.exists()
-                else "no checkpoint was written yet"
-            )
+        if self.guard is None and (out.skipped or not math.isfinite(out.loss)):
+            what = f"loss is {out.loss}" if not math.isfinite(out.loss) else f"gradient norm is {out.grad_norm}"
             raise TrainingError(
-                f"loss is {out.loss} at step {step}: training stopped before updating the weights; {where}. "
-                "Lower optimizer.learning_rate_scheduler.learning_rate, set optimizer.clip_grad, or check the data."
+                f"{what} at step {step}: training stopped before updating the weights; {self._last_good()}. Lower "
+                "optimizer.learning_rate_scheduler.learning_rate, set optimizer.clip_grad or optimizer.skip_spikes, "
+                "or check the data."
             )
+        if out.skipped:
+            self._skipped(step)
         self.step = step
         self.lr_schedule.step += 1
         self.consumed_tokens += self.tokens_per_step
         losses.append(out.loss)
         metrics = self._metrics(out, lr, elapsed)
-        if step % interval == 0 or step == cfg.tokens.train_steps:
+        if step % interval == 0 or step == cfg.tokens.train_steps or out.skipped:  # a skipped step always shows
             self._log(metrics)
             self.memory.reset()  # each row's peak is the peak since the previous row
         if self.validation is not None and step % cfg.tokens.val_check_interval == 0:
@@ -430,6 +436,26 @@ class Trainer:
             saved = self.save_checkpoint()
         self.plugins.hook.on_step_end(step=step, metrics=metrics, trainer=self)
         return saved
+
+    def _last_good(self) -> str:
+        last = self.checkpoint_root / "latest.txt"
+        if last.exists():
+            return f"the last good checkpoint is {last.read_text().strip()} in {self.checkpoint_root}"
+        return "no checkpoint was written yet"
+
+    def _skipped(self, step: int) -> None:
+        """The guard rejected step `step`: no update was made. Say so, and stop after too many in a row."""
+        assert self.guard is not None
+        why = self.guard.last.reason
+        if self.engine.is_main:
+            log.warning("step %d skipped, no update made: %s (%d in a row)", step, why, self.guard.consecutive)
+        if self.guard.exhausted:
+            raise TrainingError(
+                f"{self.guard.consecutive} steps in a row were skipped (optimizer.skip_spikes.max_consecutive), the "
+                f"last at step {step}: {why}; training stopped. The weights are those before the first of them; "
+                f"{self._last_good()}. Lower optimizer.learning_rate_scheduler.learning_rate, set optimizer.clip_grad, "
+                "or check the data."
+            )
 
     def _agree_to_stop(self, stops: StopRequests) -> bool:
         """True on every rank once any rank got SIGTERM/SIGINT (signals reach ranks at different steps)."""
@@ -454,6 +480,8 @@ class Trainer:
         if value is not None:
             metrics["mfu"] = value
         metrics["peak_memory_mb"] = self.memory.peak_mb()
+        if self.guard is not None:
+            metrics["skipped_steps"] = self.guard.skipped  # in this run, its earlier launches included
         return metrics
 
     def _close_loggers(self) -> None:

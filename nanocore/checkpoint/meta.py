@@ -65,6 +65,7 @@ class CheckpointMeta:
     model_type: str | None = None
     run_id: str | None = None  # the run this checkpoint belongs to (loggers such as W&B continue it)
     converted_from: str | None = None  # the Hugging Face folder `nanocore convert --from-hf` read
+    spike_guard: dict[str, Any] | None = None  # optimizer.skip_spikes: the recent steps it judges by
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -83,10 +84,12 @@ class CheckpointMeta:
         for key in ("data", "lr_scheduler"):
             if not isinstance(data[key], dict):
                 raise MetaError(f"has no valid {key!r}")
-        optional = {}
+        optional: dict[str, Any] = {}
         for key in ("model_type", "run_id", "converted_from"):
             if data.get(key) is not None:
                 optional[key] = str(data[key])
+        if isinstance(data.get("spike_guard"), dict):
+            optional["spike_guard"] = data["spike_guard"]
         return cls(
             step=_count(data["step"], "step", minimum=0),
             consumed_tokens=_count(data["consumed_tokens"], "consumed_tokens", minimum=0),

@@ -76,6 +76,17 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
         p.append("optimizer.learning_rate_scheduler: need 0 <= min_decay_lr <= learning_rate")
     if opt.clip_grad is not None and opt.clip_grad <= 0:
         p.append(f"optimizer.clip_grad: must be positive or null, got {opt.clip_grad}")
+    guard = opt.skip_spikes
+    if guard.sigmas <= 0:
+        p.append(f"optimizer.skip_spikes.sigmas: must be positive, got {guard.sigmas}")
+    if guard.window < 2:
+        p.append(f"optimizer.skip_spikes.window: must be at least 2, got {guard.window}")
+    if not 2 <= guard.min_history <= max(guard.window, 2):
+        p.append(
+            f"optimizer.skip_spikes.min_history: must be between 2 and window ({guard.window}), got {guard.min_history}"
+        )
+    if guard.max_consecutive < 1:
+        p.append(f"optimizer.skip_spikes.max_consecutive: must be at least 1, got {guard.max_consecutive}")
     if config.checkpoints.folder_lock not in LOCK_KINDS:
         p.append(
             f"checkpoints.folder_lock: must be one of {', '.join(LOCK_KINDS)}; got {config.checkpoints.folder_lock!r}"

@@ -207,6 +207,31 @@ class OptimizerFactory:
 
 
 @attrs.define
+class SkipSpikesArgs:
+    """The stability guard (nanocore/spike_guard.py): a step whose loss or gradient norm is not finite, or
+    a spike above the recent steps', updates nothing; the run stops after `max_consecutive` in a row."""
+
+    enabled: bool = doc(
+        "Skip such steps (false: a non-finite loss or gradient norm stops the run at once, before any update; "
+        "spikes are applied).",
+        default=False,
+    )
+    sigmas: float = doc(
+        "A spike: the loss or the gradient norm more than this many standard deviations above the mean of the "
+        "recent accepted steps.",
+        default=6.0,
+    )
+    window: int = doc("How many recent accepted steps the mean and standard deviation are taken over.", default=100)
+    min_history: int = doc(
+        "Spikes are judged once this many accepted steps are in the window (non-finite values always are).",
+        default=20,
+    )
+    max_consecutive: int = doc(
+        "Stop the run, pointing at the last good checkpoint, after this many skipped steps in a row.", default=5
+    )
+
+
+@attrs.define
 class OptimizerArgs:
     """Optimizer, its ZeRO stage and the LR schedule."""
 
@@ -221,6 +246,11 @@ class OptimizerArgs:
     weight_decay: float = doc("Decoupled weight decay (not applied to norms and biases).", default=0.0)
     clip_grad: float | None = doc("Clip the global gradient norm to this value.", default=None)
     accumulate_grad_in_fp32: bool = doc("Accumulate gradients in float32 buffers.", default=True)
+    skip_spikes: SkipSpikesArgs = doc(
+        "A stability guard: steps whose loss or gradient norm is not finite or spikes update nothing "
+        "(docs/operations.md).",
+        factory=SkipSpikesArgs,
+    )
 
 
 @attrs.define

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
 from nanocore.config import Config
 from nanocore.dtypes import resolve_dtype
-from nanocore.engine_api import MemoryEstimate, ReplicaGroup, StepOutput, TrainableParam, ZeroOptimizer
+from nanocore.engine_api import MemoryEstimate, ReplicaGroup, StepGuard, StepOutput, TrainableParam, ZeroOptimizer
 from nanocore.errors import PluginError
 from nanocore.float8_api import Float8Recipe
 from nanocore.moe_api import MoELayer
@@ -223,7 +223,7 @@ class ParallelEngine:
             self.data_parallel.end_pass()
         return self.grid.loss_on_every_rank(local)
 
-    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepOutput:
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float, guard: StepGuard | None = None) -> StepOutput:
         model, optimizer = self._model(), self.optimizer
         assert optimizer is not None
         model.train()
@@ -250,9 +250,14 @@ class ParallelEngine:
         if self.prediction is not None:  # every rank takes part: the losses live on the last stage
             for name, value in self.prediction.step_sums().items():
                 metrics[name] = self.grid.loss_on_every_rank(value.to(self.device))
-        if not math.isfinite(loss):
+        if not math.isfinite(loss):  # the gradients are not either: no norm to take
+            if guard is not None:
+                guard.accept(loss, math.nan)
             return StepOutput(loss, None, skipped=True, metrics=metrics)
         norm = global_grad_norm(self.trainables, self.data_parallel, self.grid, self.device)
+        # loss and norm are reduced, the same on every rank: every rank decides alike
+        if not (guard.accept(loss, norm) if guard is not None else math.isfinite(norm)):
+            return StepOutput(loss, norm, skipped=True, metrics=metrics)
         clip = self.config.optimizer.clip_grad
         if clip is not None and norm > clip:
             self.data_parallel.grad_buffer.mul_(clip / (norm + 1e-6))

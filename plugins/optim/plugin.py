@@ -1,10 +1,10 @@
-"""nanocore built-in plugin: optimizers (adam_w, sgd) and LR decay shapes (cosine, linear, 1-sqrt, constant)."""
+"""nanocore built-in plugin: optimizers (adam_w, sgd, lion) and LR decay shapes (cosine, linear, 1-sqrt, constant)."""
 
 from __future__ import annotations
 
 from nanocore import hookimpl
 from nanocore_plugins.optim.lr_decay import DECAY_SHAPES
-from nanocore_plugins.optim.optimizers import AdamWArgs, SGDArgs, build_adamw, build_sgd
+from nanocore_plugins.optim.optimizers import AdamWArgs, LionArgs, SGDArgs, build_adamw, build_lion, build_sgd
 
 
 @hookimpl
@@ -27,6 +27,14 @@ def register_optimizers(registry):
         description="torch SGD with optional momentum",
         states_per_element=lambda args: 1 if args is not None and args.momentum else 0,  # momentum buffer
         step_temporaries_per_element=lambda args: 0,  # in place
+    )
+    registry.register(
+        "lion",
+        build_lion,
+        config_class=LionArgs,
+        description="Lion: sign of an interpolated momentum, decoupled weight decay (arXiv:2302.06675)",
+        states_per_element=lambda args: 1,  # exp_avg
+        step_temporaries_per_element=lambda args: 0,  # one parameter's update at a time
     )
 
 

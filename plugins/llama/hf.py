@@ -44,6 +44,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": False,
     "rope_theta": 10000.0,
     "attention_bias": False,
+    "head_dim": None,  # hidden_size / num_attention_heads
 }
 # Copied one to one between config.json and LlamaConfig.
 SAME_FIELDS = [k for k in HF_DEFAULTS if k not in ("num_key_value_heads", "bos_token_id", "eos_token_id", "rope_theta")]
@@ -73,7 +74,10 @@ def from_hf(
     nullable = ("bos_token_id", "eos_token_id")
     c = {**HF_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None or k in nullable}}
     problems = _unsupported(c)
-    config = LlamaConfig(**read_decoder_fields(c, SAME_FIELDS))
+    fields = read_decoder_fields(c, SAME_FIELDS)
+    if fields["head_dim"] is not None and fields["head_dim"] * c["num_attention_heads"] == c["hidden_size"]:
+        fields["head_dim"] = None  # the derived size, written out by transformers: null, as nanocore writes it
+    config = LlamaConfig(**fields)
     if not problems:
         problems = config.problems()
     if problems:
@@ -89,12 +93,6 @@ def _unsupported(c: dict[str, Any]) -> list[str]:
     p = []
     if c.get("mlp_bias"):
         p.append("mlp_bias: true is not supported (nanocore's LLaMA MLP has no biases)")
-    head_dim = c.get("head_dim")
-    if head_dim is not None and head_dim * c["num_attention_heads"] != c["hidden_size"]:
-        p.append(
-            f"head_dim: {head_dim} x num_attention_heads {c['num_attention_heads']} != hidden_size {c['hidden_size']}; "
-            "nanocore's LLaMA needs head_dim = hidden_size / num_attention_heads"
-        )
     if c.get("attention_dropout"):
         log.warning("config.json: attention_dropout %s is ignored (nanocore has no dropout)", c["attention_dropout"])
     return p

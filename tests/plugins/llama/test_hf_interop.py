@@ -24,6 +24,8 @@ CASES = {
     # grouped-query attention with q/k/v/o biases, saved as index + several shards
     "gqa": {"attention_bias": True, "max_shard_size": "30KB"},
     "tied": {"tie_word_embeddings": True, "num_key_value_heads": 4},
+    # heads of 12, not hidden_size / heads = 8 (as Gemma and others size them)
+    "head_dim": {"head_dim": 12},
     "llama3_rope": {
         "rope_theta": 500000.0,
         "rope_scaling": {

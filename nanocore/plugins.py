@@ -10,6 +10,7 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import sys
 import traceback
@@ -28,6 +29,7 @@ from nanocore.registry import REGISTRY_KINDS, Registries
 ENTRY_POINT_GROUP = "nanocore"
 ENV_PLUGINS = "NANOCORE_PLUGINS"
 ENV_DISABLE = "NANOCORE_DISABLE_PLUGINS"
+log = logging.getLogger("nanocore")
 
 
 @attrs.define
@@ -68,6 +70,7 @@ class PluginSet:
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(NanocoreSpecs)
         self.infos: dict[str, PluginInfo] = {}
+        self.blocked: set[str] = set()  # NANOCORE_DISABLE_PLUGINS names that matched a plugin
         self._registries: Registries | None = None
 
     # -- loading ----------------------------------------------------------------------
@@ -81,6 +84,7 @@ class PluginSet:
             version = dist.version if dist is not None else None
             if ep.name in disabled:
                 self.pm.set_blocked(ep.name)
+                self.blocked.add(ep.name)
                 continue
             try:
                 plugin = ep.load()
@@ -95,6 +99,7 @@ class PluginSet:
     def load_local(self, spec: str, base_dir: Path | None = None) -> None:
         """Load a plugin from a `.py` file (relative to `base_dir` or the cwd) or an importable module name."""
         if spec in disabled_names():
+            self.blocked.add(spec)
             return
         path = Path(spec)
         if not path.is_absolute() and base_dir is not None:
@@ -102,6 +107,7 @@ class PluginSet:
         is_file = is_plugin_file(spec)
         name = path.stem if is_file else spec
         if name in disabled_names():
+            self.blocked.add(name)
             return
         if any(info.location == str(path.resolve() if is_file else spec) for info in self.infos.values()):
             return  # the same local plugin named twice (CLI and YAML, say) is loaded once
@@ -224,4 +230,12 @@ def load_plugins(
         plugins.load_local(spec, base_dir=yaml_dir)
     for spec in _split_env(os.environ.get(ENV_PLUGINS)):
         plugins.load_local(spec)
+    unmatched = sorted(disabled_names() - plugins.blocked)
+    if unmatched and entry_points:  # a typo would leave the plugin it meant enabled
+        log.warning(
+            "%s names %s, which no plugin found here is called (plugins: %s)",
+            ENV_DISABLE,
+            ", ".join(repr(n) for n in unmatched),
+            ", ".join(sorted(plugins.infos)),
+        )
     return plugins

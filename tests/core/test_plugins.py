@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from nanocore.commands.cli import run as cli_run
+from nanocore.plugins import load_plugins
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -218,6 +219,16 @@ def test_disabled_builtin_disappears(tmp_path, monkeypatch, capsys):
     message = error_message(capsys.readouterr().err)
     assert message.startswith("logging.loggers[0]: no plugin provides logger 'console': no logger plugin is installed")
     assert "NANOCORE_DISABLE_PLUGINS" in message
+
+
+def test_a_disabled_name_no_plugin_has_is_warned_about(monkeypatch, caplog):
+    """NANOCORE_DISABLE_PLUGINS=parallel3d (a typo of parallel) would leave `parallel` running unsaid."""
+    monkeypatch.setenv("NANOCORE_DISABLE_PLUGINS", "parallel3d,loggers")
+    with caplog.at_level("WARNING", logger="nanocore"):
+        plugins = load_plugins()
+    assert "loggers" not in plugins.infos and "parallel" in plugins.infos
+    assert "NANOCORE_DISABLE_PLUGINS names 'parallel3d', which no plugin found here is called (plugins: " in caplog.text
+    assert "'loggers'" not in caplog.text
 
 
 # -- plugin mistakes -----------------------------------------------------------------------------------

@@ -193,6 +193,9 @@ class TrainableParam:
     # ZeRO-3 (`shards_parameters=True`): the tensor holding this rank's rows (`grad_rows`) of the
     # parameter, which is whole only while a block runs; the stage updates these rows in place.
     param_rows: torch.Tensor | None = None
+    # a hidden weight matrix (`nanocore.model_api.is_hidden_matrix`): the ZeRO stage puts it in a param
+    # group marked `hidden_matrix: True`, which matrix optimizers (Muon) update as a matrix
+    hidden_matrix: bool = False
     # the local parameter's shape when whole (what `placement` places): under ZeRO-3 `param` is
     # empty between uses, so this, not `param.shape`, is the shape to cut rows from.
     shape: tuple[int, ...] = attrs.field()

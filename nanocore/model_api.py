@@ -123,6 +123,12 @@ class CausalLM(Protocol):
     moe_layers: list[str]
     """The mixture-of-experts layers, each a `nanocore.moe_api.MoELayer`."""
 
+    def hidden_matrix(self, name: str) -> bool:
+        """Whether parameter `name` (of two or more dimensions) is a hidden weight matrix, which matrix
+        optimizers (Muon) update as a matrix: attention and MLP projections, each expert's matrices;
+        not the vocabulary tables, the output head or a router."""
+        ...
+
     def active_fraction(self, name: str) -> float:
         """The share of parameter `name` a token computes with: k / E for the experts of a top-k router, 0
         for a router's balancing bias, 1 otherwise (the start-of-run summary's active parameters)."""
@@ -164,6 +170,7 @@ OPTIONAL_MEMBERS: dict[str, str] = {
     "init_by_row_blocks": "False: each parameter is built whole before it is sliced",
     "selective_recompute_modules": "recompute_granularity: selective is refused",
     "moe_layers": "a dense model",
+    "hidden_matrix": "every parameter of two or more dimensions but those in vocab_parameters",
     "active_fraction": "every parameter is active for every token",
     "prediction_metrics": "no extra prediction heads",
     "set_prediction_runtime": "needed only with prediction_metrics",
@@ -290,6 +297,17 @@ def vocab_parameters(model: nn.Module) -> set[str]:
         if first in names or second in names:
             names |= {first, second}
     return names
+
+
+def is_hidden_matrix(model: nn.Module, name: str, ndim: int) -> bool:
+    """`model.hidden_matrix(name)` for a parameter of `ndim` >= 2 dimensions, or the default rule (see
+    `CausalLM.hidden_matrix`); never for a vector or a scalar."""
+    if ndim < 2:
+        return False
+    declared = getattr(model, "hidden_matrix", None)
+    if declared is not None:
+        return bool(declared(name))
+    return name not in vocab_parameters(model)
 
 
 def valid_rows(model: nn.Module, name: str) -> int | None:

@@ -18,7 +18,14 @@ from torch import nn
 
 from nanocore.config.schema import ModelArgs
 from nanocore.errors import ConfigError
-from nanocore.model_api import KVCache, TiedWeightsMixin, TPStyle, count_matmul_parameters, init_normal
+from nanocore.model_api import (
+    KVCache,
+    TiedWeightsMixin,
+    TPStyle,
+    count_matmul_parameters,
+    init_normal,
+    vocab_parameters,
+)
 from nanocore.model_parts.attention import GroupedQueryAttention, SequenceSlot
 from nanocore.model_parts.config import DecoderConfig
 from nanocore.model_parts.layers import GatedMLP, RMSNorm, mlp_tp_plan
@@ -158,6 +165,10 @@ class DecoderLM(TiedWeightsMixin, nn.Module):
     def active_fraction(self, name: str) -> float:
         """The share of parameter `name` a token computes with, for the FLOPs estimate (all of it here)."""
         return 1
+
+    def hidden_matrix(self, name: str) -> bool:
+        """Every matrix but the vocabulary tables (and their tied copies) and the routers (`mlp.gate`)."""
+        return name not in vocab_parameters(self) and not name.endswith(".mlp.gate.weight")
 
     # -- the CausalLM contract -----------------------------------------------------------------
     def set_sequence_runtime(self, runtime: SequenceRuntime | None) -> None:

@@ -1,9 +1,11 @@
-"""nanocore built-in plugin: optimizers (adam_w, sgd, lion) and LR decay shapes (cosine, linear, 1-sqrt, constant)."""
+"""nanocore built-in plugin: optimizers (adam_w, sgd, lion, muon) and LR decay shapes (cosine, linear, 1-sqrt,
+constant)."""
 
 from __future__ import annotations
 
 from nanocore import hookimpl
 from nanocore_plugins.optim.lr_decay import DECAY_SHAPES
+from nanocore_plugins.optim.muon import MuonArgs, build_muon
 from nanocore_plugins.optim.optimizers import AdamWArgs, LionArgs, SGDArgs, build_adamw, build_lion, build_sgd
 
 
@@ -35,6 +37,15 @@ def register_optimizers(registry):
         description="Lion: sign of an interpolated momentum, decoupled weight decay (arXiv:2302.06675)",
         states_per_element=lambda args: 1,  # exp_avg
         step_temporaries_per_element=lambda args: 0,  # one parameter's update at a time
+    )
+    registry.register(
+        "muon",
+        build_muon,
+        config_class=MuonArgs,
+        description="Muon (Newton-Schulz orthogonalised momentum) for hidden matrices, AdamW for the rest",
+        # AdamW's 2 for the parameters that are not hidden matrices (Muon's keep 1: an upper bound)
+        states_per_element=lambda args: 2,
+        step_temporaries_per_element=lambda args: 0,  # one matrix at a time (a few matrix-sized temporaries)
     )
 
 

@@ -24,6 +24,7 @@ from nanocore.dtypes import resolve_dtype
 from nanocore.engine_api import MemoryEstimate, ReplicaGroup, StepGuard, StepOutput, TrainableParam, ZeroOptimizer
 from nanocore.errors import PluginError
 from nanocore.float8_api import Float8Recipe
+from nanocore.model_api import is_hidden_matrix
 from nanocore.moe_api import MoELayer
 from nanocore.registry import Entry, Registries
 from nanocore.sharding import get_placement
@@ -197,9 +198,9 @@ class ParallelEngine:
             writer = name in owned and name not in local.replica_of_tied
             canonical = local.canonical[name]
             if p.requires_grad:
-                self.trainables.append(
-                    self.data_parallel.trainable(canonical, p, writer, self.edp if is_expert(p) else None)
-                )
+                t = self.data_parallel.trainable(canonical, p, writer, self.edp if is_expert(p) else None)
+                t.hidden_matrix = is_hidden_matrix(model, canonical, len(t.shape))
+                self.trainables.append(t)
             else:
                 self.frozen.append(TrainableParam(canonical, p, None, get_placement(p), writer, False))
         args = optimizer_args

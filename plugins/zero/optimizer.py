@@ -116,9 +116,15 @@ class ZeroOptimizer:
                     piece, size = [], 0
             if piece:
                 self.exchanges.append(_RowExchange(piece, piece[0].dp or dp))
-        decay = [s.master for s in self.slots if s.t.weight_decay]
-        no_decay = [s.master for s in self.slots if not s.t.weight_decay]
-        groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        # decayed or not, hidden matrices (Muon's) or not: optimizers other than Muon ignore the mark
+        groups: list[dict] = []
+        for matrix in (True, False):
+            for decay in (True, False):
+                params = [s.master for s in self.slots if s.t.hidden_matrix == matrix and s.t.weight_decay == decay]
+                if params:
+                    groups.append(
+                        {"params": params, "hidden_matrix": matrix, **({} if decay else {"weight_decay": 0.0})}
+                    )
         self.optimizer = build_optimizer(groups)
 
     @torch.no_grad()

@@ -193,7 +193,10 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------
     def _maybe_resume(self) -> None:
         cfg = self.config.checkpoints
-        folder = self.folders.resume_from  # resolved (`latest` included) before the engine was made
+        # resolved (`latest` included) before the engine was made; rank 0 resolved it again once it held
+        # the folders (nanocore/run_lock.py), so its answer is the one every rank takes
+        self.folders = self.engine.all_gather_object(self.folders)[0]
+        folder = self.folders.resume_from
         if folder is None:
             if self.folders.continues:
                 log.info("no checkpoint in %s yet: starting from scratch", self.checkpoint_root)

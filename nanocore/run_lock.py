@@ -89,6 +89,7 @@ class _Held:
     kind: str  # flock | file
     fd: int | None = None  # flock: the open descriptor that holds the lock
     record: dict[str, object] = attrs.Factory(dict)
+    created: bool = False  # the folder did not exist before this run locked it
 
 
 class FolderLocks:
@@ -98,14 +99,24 @@ class FolderLocks:
         self.held: list[_Held] = []
 
     def release(self) -> None:
+        """Unlock every folder; a folder this run created and left holding nothing but its lock is
+        removed (a run that failed on bad input, or wrote nothing there, leaves nothing behind)."""
         while self.held:
             h = self.held.pop()
+            empty = h.created and h.folder.is_dir() and set(os.listdir(h.folder)) <= set(LOCK_NAMES)
             if h.kind == "flock" and h.fd is not None:
+                if empty:  # unlinked while still held: a run trying it meanwhile is refused, as it would be
+                    (h.folder / LOCK_NAME).unlink(missing_ok=True)
                 os.close(h.fd)  # the kernel drops the lock with the last descriptor
             elif h.kind == "file":
                 path = h.folder / LOCK_FILE_NAME
                 if _read_record(path) == h.record:  # still ours: remove it
                     path.unlink(missing_ok=True)
+            if empty:
+                try:
+                    h.folder.rmdir()
+                except OSError:  # something arrived meanwhile: keep it
+                    pass
 
     @property
     def kinds(self) -> dict[str, str]:
@@ -174,6 +185,7 @@ def lock_run_folders(folders: dict[str, Path], kind: str, run_name: str = "") ->
             if resolved in seen:  # the log dir may be the checkpoints folder
                 continue
             seen.add(resolved)
+            created = not folder.exists()
             folder.mkdir(parents=True, exist_ok=True)  # a refused run finds it there: nothing changes
             held = _lock_flock(key, folder, record) if kind in ("auto", "flock") else None
             if held is None:
@@ -183,6 +195,7 @@ def lock_run_folders(folders: dict[str, Path], kind: str, run_name: str = "") ->
                         "set checkpoints.folder_lock: file (a lock file naming host and pid) or none"
                     )
                 held = _lock_file(key, folder, record)
+            held.created = created
             locks.held.append(held)
         for h in locks.held:
             if h.fd is not None:

@@ -43,7 +43,7 @@ def test_a_second_holder_is_refused_with_the_first_ones_name_until_it_releases(t
     logs_only = lock_run_folders({"logging.log_dir": tmp_path / "logs"}, "flock")
     with pytest.raises(NanocoreError, match="logging.log_dir .* is in use by another run"):
         lock_run_folders(folders(tmp_path), "flock")
-    assert not (tmp_path / "ckpt" / LOCK_NAME).read_text().count("second-run"), "a refused run writes nothing"
+    assert not (tmp_path / "ckpt").exists(), "a refused run leaves nothing behind"
     logs_only.release()
     lock_run_folders(folders(tmp_path), "flock").release()
 
@@ -84,6 +84,8 @@ def test_the_lock_file_fallback_refuses_names_a_stale_holder_and_is_removed_on_r
     assert "looks stale" not in str(caught.value)  # its pid is alive: this process
     locks.release()
     assert not path.exists() and not (tmp_path / "logs" / LOCK_FILE_NAME).exists()
+    assert not (tmp_path / "ckpt").exists(), "folders the run created and left empty are removed"
+    (tmp_path / "ckpt").mkdir()
 
     # a holder killed with -9 leaves its file: the next run is told it looks stale and what to delete
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -114,6 +116,19 @@ def test_auto_falls_back_to_a_lock_file_where_flock_is_refused_and_flock_says_so
         NanocoreError, match="checkpoints.folder_lock: flock is not supported where .*folder_lock: file"
     ):
         lock_run_folders(folders(tmp_path), "flock")
+
+
+def test_folders_a_run_created_and_left_empty_are_removed_and_others_kept(tmp_path):
+    (tmp_path / "logs").mkdir()  # the user's: kept, with the lock file naming the last holder
+    locks = lock_run_folders(folders(tmp_path), "flock")
+    (tmp_path / "logs" / "metrics.jsonl").write_text("")
+    locks.release()
+    assert not (tmp_path / "ckpt").exists()  # created by the run, nothing written into it
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [LOCK_NAME, "metrics.jsonl"]
+    held = lock_run_folders(folders(tmp_path), "flock")
+    (tmp_path / "ckpt" / "2").mkdir()
+    held.release()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [LOCK_NAME, "2"]
 
 
 def test_none_takes_no_lock(tmp_path):

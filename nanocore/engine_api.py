@@ -196,6 +196,10 @@ class TrainableParam:
     # a hidden weight matrix (`nanocore.model_api.is_hidden_matrix`): the ZeRO stage puts it in a param
     # group marked `hidden_matrix: True`, which matrix optimizers (Muon) update as a matrix
     hidden_matrix: bool = False
+    # the ranks holding the other pieces of the full parameter in its last two dimensions (the tensor-
+    # parallel group of a split linear weight; `placement` says where this piece sits); None: this
+    # rank's piece spans them (a replicated weight, an expert stack split over experts only)
+    model_parallel: ReplicaGroup | None = None
     # the local parameter's shape when whole (what `placement` places): under ZeRO-3 `param` is
     # empty between uses, so this, not `param.shape`, is the shape to cut rows from.
     shape: tuple[int, ...] = attrs.field()
@@ -205,10 +209,34 @@ class TrainableParam:
         return tuple(self.param.shape)
 
 
+@attrs.frozen(eq=False)
+class ParamPiece:
+    """One tensor an optimizer updates, as a ZeRO stage hands it to an optimizer registered with
+    `takes_pieces=True` (`factory(..., pieces=...)`, keyed by the tensor): enough to put the whole
+    parameter together, or any part of it, from the ranks that hold its pieces.
+
+    The full parameter (`local_placement.full_shape`) is split over `model_parallel` (tensor
+    parallelism; each rank's piece is a rectangle of `local_shape` at `local_placement`), and each
+    piece is held by the data-parallel `replicas`. With `rows` set, the replicas split the piece's
+    rows (dim 0, `nanocore.sharding.row_share(local_shape, replicas.size, r)` on replica r) and this
+    tensor is rows `rows` of it; None: this tensor is the whole piece, equal on every replica.
+    """
+
+    name: str  # canonical name (as in checkpoints)
+    local_placement: Placement  # where this rank's model-parallel piece sits in the full parameter
+    local_shape: tuple[int, ...]  # that piece's shape
+    rows: tuple[int, int] | None  # (start, length) of the piece's rows this tensor holds
+    replicas: ReplicaGroup  # the data-parallel ranks holding the same piece
+    model_parallel: ReplicaGroup | None  # see `TrainableParam.model_parallel`
+    hidden_matrix: bool  # see `TrainableParam.hidden_matrix`
+
+
 class ZeroOptimizer(Protocol):
     """What a ZeRO-stage plugin builds: `factory(params, build_optimizer, dp) -> ZeroOptimizer`.
 
-    `build_optimizer(param_groups)` makes the configured torch optimizer; `dp` has `group`, `rank`,
+    `build_optimizer(param_groups, pieces)` makes the configured torch optimizer (`pieces`: a
+    `ParamPiece` for every tensor in `param_groups`, handed to optimizers that distribute
+    themselves); `dp` has `group`, `rank`,
     `size`. A parameter whose `TrainableParam.dp` is set is replicated over that group instead: a
     stage shards and exchanges it there, and its rank 0 there writes its state.
 

@@ -57,7 +57,9 @@ class NanocoreSpecs:
     @hookspec
     def register_optimizers(self, registry: Registry) -> None:
         """Register optimizers (`optimizer.optimizer_factory.name`):
-        `factory(param_groups, args, *, lr, weight_decay, device) -> torch.optim.Optimizer`."""
+        `factory(param_groups, args, *, lr, weight_decay, device) -> torch.optim.Optimizer`.
+        Extras: `takes_pieces=True` adds `pieces: dict[Tensor, ParamPiece]` (nanocore.engine_api): where
+        every tensor sits in its full parameter and which ranks hold the rest (docs/plugins.md)."""
 
     @hookspec
     def register_lr_decays(self, registry: Registry) -> None:

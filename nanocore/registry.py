@@ -198,6 +198,10 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
             "step_temporaries_per_element": Extra(
                 _FUNCTION, "fn(args) -> int: temporary copies per element while the optimizer steps (planner)"
             ),
+            "takes_pieces": Extra(
+                bool,
+                "factory also takes pieces: dict[Tensor, ParamPiece] (nanocore.engine_api), to distribute itself",
+            ),
         },
     ),
     "lr_decay": RegistryKind(

@@ -22,10 +22,10 @@ well and costs five pairs of matmuls. `update_scale`:
 
 Which parameters are hidden matrices is the model's to say (`CausalLM.hidden_matrix`; by default every
 parameter of two or more dimensions but the vocabulary tables); the engine passes them in param groups
-marked `hidden_matrix`. The iteration needs the whole matrix: this optimizer runs where each rank holds
-whole matrices (one process; data parallelism without ZeRO; pipeline stages; expert parallelism,
-whose experts are whole); layouts that split matrices (ZeRO-1/2/3 rows, tensor parallelism) are
-refused at config check until the distributed step exists (docs/optimizers.md).
+marked `hidden_matrix`. The iteration needs the whole matrix, which ZeRO (rows) and tensor
+parallelism (columns or rows) split: the ZeRO stage hands this optimizer a `ParamPiece` per tensor
+(`takes_pieces`), and each matrix's update is computed once, by an owner among its data-parallel
+replicas, from the matrix put back together (`Muon`; docs/optimizers.md).
 """
 
 from __future__ import annotations
@@ -35,8 +35,12 @@ from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
+from torch.optim.adam import adam
 
 from nanocore.config.schema import doc
+from nanocore.engine_api import ParamPiece, ReplicaGroup
+from nanocore.sharding import Placement, all_gather_single, row_share
 
 KELLER_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 UPDATE_SCALES = ("moonlight", "spectral", "none")
@@ -75,13 +79,6 @@ class MuonArgs:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 p.append(f"{name}: must be in [0, 1), got {getattr(self, name)}")
-        par, opt = config.parallelism, config.optimizer
-        if opt.zero_stage >= 1 or par.tp > 1:
-            p.append(
-                f"muon needs each hidden matrix whole on a rank: not yet with optimizer.zero_stage {opt.zero_stage} "
-                f"or parallelism.tp {par.tp} (they split matrices); use zero_stage 0 and tp 1 (dp, pp, cp and ep "
-                "keep matrices whole)"
-            )
         return p
 
 
@@ -107,40 +104,87 @@ def update_scale(kind: str, rows: int, cols: int) -> float:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon on the groups marked `hidden_matrix`, AdamW (decoupled weight decay) on the others."""
+    """Muon on the groups marked `hidden_matrix`, AdamW (decoupled weight decay) on the others.
 
-    def __init__(self, params: Any, lr: float, weight_decay: float, args: MuonArgs):
+    `pieces` (from the ZeRO stage, `nanocore.engine_api.ParamPiece`) says, for every tensor, which
+    part of its full parameter it is and which ranks hold the rest; without it every tensor is taken
+    as a whole parameter (one process). The update of each hidden matrix is computed once per
+    data-parallel group, by an owner (`_Owners`): the replicas' momentum rows are gathered to it, it
+    puts the whole matrix together from the tensor-parallel pieces, runs Newton-Schulz, and sends
+    each replica the rows of the result it holds (docs/optimizers.md draws it).
+    """
+
+    def __init__(
+        self, params: Any, lr: float, weight_decay: float, args: MuonArgs, pieces: dict[torch.Tensor, ParamPiece]
+    ):
         self.args = args
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "hidden_matrix": False})
+        self.pieces = pieces
+        self._layouts: dict[torch.Tensor, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
+        owners = _Owners()
         for group in self.param_groups:
             if group["hidden_matrix"]:
-                self._muon(group)
+                self._muon(group, owners)
             else:
                 self._adamw(group)
 
-    def _muon(self, group: dict) -> None:
+    def _piece(self, p: torch.Tensor) -> ParamPiece:
+        piece = self.pieces.get(p)
+        if piece is None:  # one process: the tensor is its whole parameter
+            piece = ParamPiece("", Placement.whole(tuple(p.shape)), tuple(p.shape), None, _ALONE, None, True)
+            self.pieces[p] = piece
+        return piece
+
+    def _muon(self, group: dict, owners: _Owners) -> None:
         args, lr, wd = self.args, group["lr"], group["weight_decay"]
         coefficients = (args.ns_coefficients[0], args.ns_coefficients[1], args.ns_coefficients[2])
         for p in group["params"]:
-            if p.grad is None:
-                continue
+            piece = self._piece(p)
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             buf = state["momentum_buffer"]
             buf.mul_(args.muon_momentum).add_(p.grad)
             u = p.grad.add(buf, alpha=args.muon_momentum) if args.muon_nesterov else buf
-            o = newton_schulz(u, args.ns_steps, coefficients)
+            owner = owners.next(piece.replicas)
+            whole = _gather_rows(u, piece, owner)  # this piece of the matrix, whole on the owner
+            if whole is not None:  # the owner: the full matrix, Newton-Schulz once, back to this piece
+                full = self._assemble(p, whole, piece)
+                o = newton_schulz(full, args.ns_steps, coefficients)
+                whole = o[(..., *piece.local_placement.slices(piece.local_shape)[-2:])].contiguous()
+            o = _scatter_rows(whole, u, piece, owner)
             if wd:
                 p.mul_(1 - lr * wd)
-            p.add_(o, alpha=-lr * update_scale(args.update_scale, p.size(-2), p.size(-1)))
+            rows, cols = piece.local_placement.full_shape[-2:]
+            p.add_(o, alpha=-lr * update_scale(args.update_scale, rows, cols))
+
+    def _assemble(self, p: torch.Tensor, local: torch.Tensor, piece: ParamPiece) -> torch.Tensor:
+        """The full matrices (the last two dims of the full parameter) from every model-parallel
+        rank's piece (equal shapes; pieces may repeat, as shared key/value heads do)."""
+        mp = piece.model_parallel
+        if mp is None or mp.size == 1:
+            return local
+        gathered = torch.empty(mp.size * local.numel(), dtype=local.dtype, device=local.device)
+        all_gather_single(gathered, local.contiguous().view(-1), group=mp.group)
+        gathered = gathered.view(mp.size, *local.shape)
+        if p not in self._layouts:  # where every rank's piece sits: asked once
+            mine = torch.tensor(piece.local_placement.offsets, dtype=torch.int64, device=local.device)
+            offsets = torch.empty(mp.size * mine.numel(), dtype=torch.int64, device=local.device)
+            all_gather_single(offsets, mine, group=mp.group)
+            self._layouts[p] = [(tuple(o), piece.local_shape) for o in offsets.view(mp.size, -1).tolist()]
+        lead = local.shape[:-2]
+        full = torch.empty((*lead, *piece.local_placement.full_shape[-2:]), dtype=local.dtype, device=local.device)
+        for r, (offsets, shape) in enumerate(self._layouts[p]):
+            r0, c0 = offsets[-2:]
+            full[..., r0 : r0 + shape[-2], c0 : c0 + shape[-1]] = gathered[r]
+        return full
 
     def _adamw(self, group: dict) -> None:
-        args, lr, wd = self.args, group["lr"], group["weight_decay"]
-        beta1, beta2 = args.adam_beta1, args.adam_beta2
+        """torch's AdamW (its functional form, the same state keys as torch.optim.AdamW)."""
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -149,20 +193,106 @@ class Muon(torch.optim.Optimizer):
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
-            step = state["step"].item()
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            m.lerp_(p.grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            if wd:
-                p.mul_(1 - lr * wd)
-            denom = (v / (1 - beta2**step)).sqrt_().add_(args.adam_eps)
-            p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=None,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=self.args.adam_beta1,
+            beta2=self.args.adam_beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=self.args.adam_eps,
+            maximize=False,
+        )
+
+
+_ALONE = ReplicaGroup(None, 0, 1)
+
+
+class _Owners:
+    """Round-robin owners of the matrices, per data-parallel group: the same sequence on every rank
+    (the ranks of a group step the same matrices in the same order)."""
+
+    def __init__(self) -> None:
+        self.count: dict[int, int] = {}
+
+    def next(self, replicas: ReplicaGroup) -> int:
+        key = id(replicas.group)
+        n = self.count.get(key, 0)
+        self.count[key] = n + 1
+        return n % replicas.size
+
+
+def _global(replicas: ReplicaGroup, rank: int) -> int:
+    return dist.get_global_rank(replicas.group, rank) if replicas.group is not None else rank
+
+
+def _gather_rows(u: torch.Tensor, piece: ParamPiece, owner: int) -> torch.Tensor | None:
+    """The piece (`local_shape`) on the owner, None elsewhere: its replicas' rows gathered to the
+    owner, or, when every replica holds the whole piece, the owner's own."""
+    replicas = piece.replicas
+    if replicas.rank != owner and piece.rows is None:
+        return None
+    if piece.rows is None or replicas.size == 1:
+        return u
+    shares = [row_share(piece.local_shape, replicas.size, q) for q in range(replicas.size)]
+    width = max(length for _, length in shares)
+    send = u.new_zeros((width, *u.shape[1:]))
+    send[: u.shape[0]] = u
+    out = [torch.empty_like(send) for _ in shares] if replicas.rank == owner else None
+    dist.gather(send, out, dst=_global(replicas, owner), group=replicas.group)
+    if out is None:
+        return None
+    return torch.cat([chunk[:length] for chunk, (_, length) in zip(out, shares, strict=True)])
+
+
+def _scatter_rows(whole: torch.Tensor | None, u: torch.Tensor, piece: ParamPiece, owner: int) -> torch.Tensor:
+    """This tensor's rows of the owner's result: scattered over the replicas, or the whole piece
+    broadcast when every replica holds all of it."""
+    replicas = piece.replicas
+    if replicas.size == 1:
+        assert whole is not None
+        return whole
+    if piece.rows is None:
+        out = whole if whole is not None else torch.empty_like(u)
+        dist.broadcast(out, src=_global(replicas, owner), group=replicas.group)
+        return out
+    shares = [row_share(piece.local_shape, replicas.size, q) for q in range(replicas.size)]
+    width = max(length for _, length in shares)
+    chunks = None
+    if whole is not None:
+        chunks = []
+        for start, length in shares:
+            chunk = whole.new_zeros((width, *whole.shape[1:]))
+            chunk[:length] = whole[start : start + length]
+            chunks.append(chunk)
+    mine = u.new_empty((width, *u.shape[1:]))
+    dist.scatter(mine, chunks, src=_global(replicas, owner), group=replicas.group)
+    return mine[: u.shape[0]]
 
 
 def build_muon(
-    param_groups: list[dict], args: MuonArgs | None, *, lr: float, weight_decay: float, device: torch.device
+    param_groups: list[dict],
+    args: MuonArgs | None,
+    *,
+    lr: float,
+    weight_decay: float,
+    device: torch.device,
+    pieces: dict[torch.Tensor, ParamPiece] | None = None,
 ) -> torch.optim.Optimizer:
     """Muon over the groups the engine marks `hidden_matrix`, AdamW over the rest."""
     groups = [dict(g, params=list(g["params"])) for g in param_groups]
-    return Muon(groups, lr=lr, weight_decay=weight_decay, args=args or MuonArgs())
+    return Muon(groups, lr=lr, weight_decay=weight_decay, args=args or MuonArgs(), pieces=dict(pieces or {}))

@@ -46,6 +46,7 @@ def register_optimizers(registry):
         # AdamW's 2 for the parameters that are not hidden matrices (Muon's keep 1: an upper bound)
         states_per_element=lambda args: 2,
         step_temporaries_per_element=lambda args: 0,  # one matrix at a time (a few matrix-sized temporaries)
+        takes_pieces=True,  # gathers each matrix whole from its ZeRO rows and TP pieces (ParamPiece)
     )
 
 

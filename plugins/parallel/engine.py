@@ -21,7 +21,15 @@ import torch.distributed as dist
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
 from nanocore.config import Config
 from nanocore.dtypes import resolve_dtype
-from nanocore.engine_api import MemoryEstimate, ReplicaGroup, StepGuard, StepOutput, TrainableParam, ZeroOptimizer
+from nanocore.engine_api import (
+    MemoryEstimate,
+    ParamPiece,
+    ReplicaGroup,
+    StepGuard,
+    StepOutput,
+    TrainableParam,
+    ZeroOptimizer,
+)
 from nanocore.errors import PluginError
 from nanocore.float8_api import Float8Recipe
 from nanocore.model_api import is_hidden_matrix
@@ -194,12 +202,15 @@ class ParallelEngine:
         # exactly one rank of each replica group writes (and counts in the grad norm) each piece: the TP
         # rank that owns it, and the first pipeline stage for a tied pair split across stages
         owned = {name for name, _ in tp_owned_parameters(model, self.grid.tp_group)}
+        tp = ReplicaGroup(self.grid.tp_group, self.grid.tp_rank, self.grid.tp)
         for name, p in model.named_parameters():
             writer = name in owned and name not in local.replica_of_tied
             canonical = local.canonical[name]
             if p.requires_grad:
                 t = self.data_parallel.trainable(canonical, p, writer, self.edp if is_expert(p) else None)
                 t.hidden_matrix = is_hidden_matrix(model, canonical, len(t.shape))
+                if tp.size > 1 and len(t.shape) >= 2 and t.shape[-2:] != t.placement.full_shape[-2:]:
+                    t.model_parallel = tp  # a split linear weight: the other TP ranks hold the rest
                 self.trainables.append(t)
             else:
                 self.frozen.append(TrainableParam(canonical, p, None, get_placement(p), writer, False))
@@ -207,10 +218,18 @@ class ParallelEngine:
         count = optimizer.extras.get("states_per_element")
         self.states_per_element = count(args.optimizer_factory.args) if count is not None else None
 
-        def build_optimizer(param_groups: list[dict]) -> torch.optim.Optimizer:
+        takes_pieces = bool(optimizer.extras.get("takes_pieces"))
+
+        def build_optimizer(param_groups: list[dict], pieces: dict[torch.Tensor, ParamPiece]) -> torch.optim.Optimizer:
             lr = args.learning_rate_scheduler.learning_rate
+            extra = {"pieces": pieces} if takes_pieces else {}
             return optimizer.factory(
-                param_groups, args.optimizer_factory.args, lr=lr, weight_decay=args.weight_decay, device=self.device
+                param_groups,
+                args.optimizer_factory.args,
+                lr=lr,
+                weight_decay=args.weight_decay,
+                device=self.device,
+                **extra,
             )
 
         self.optimizer = zero.factory(self.trainables, build_optimizer, self.dcp)

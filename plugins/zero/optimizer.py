@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from nanocore.checkpoint.tensors import ShardedTensor, ShardReader
-from nanocore.engine_api import TrainableParam
+from nanocore.engine_api import ParamPiece, TrainableParam
 from nanocore.errors import PluginError
 from nanocore.sharding import Placement, all_gather_single, row_share
 
@@ -53,6 +53,9 @@ class _Slot:
             param_view = t.param.data.narrow(0, start, length)
             grad_view = t.grad if grad_is_rows else t.grad.narrow(0, start, length)
         self.param_view = param_view
+        # what an optimizer that distributes itself is told (nanocore.engine_api.ParamPiece)
+        rows = None if whole else (start, length)
+        self.piece = ParamPiece(t.name, t.placement, tuple(t.shape), rows, dp, t.model_parallel, t.hidden_matrix)
         # fp32 parameters are their own master; lower precision ones get an fp32 copy
         self.separate_master = param_view.dtype != torch.float32
         master = param_view.float().clone() if self.separate_master else param_view
@@ -75,7 +78,7 @@ class ZeroOptimizer:
     def __init__(
         self,
         params: list[TrainableParam],
-        build_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+        build_optimizer: Callable[[list[dict], dict[torch.Tensor, ParamPiece]], torch.optim.Optimizer],
         dp,
         *,
         sharded: bool,
@@ -125,7 +128,7 @@ class ZeroOptimizer:
                     groups.append(
                         {"params": params, "hidden_matrix": matrix, **({} if decay else {"weight_decay": 0.0})}
                     )
-        self.optimizer = build_optimizer(groups)
+        self.optimizer = build_optimizer(groups, {s.master: s.piece for s in self.slots})
 
     @torch.no_grad()
     def step(self, lr: float) -> None:

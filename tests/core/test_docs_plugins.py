@@ -47,7 +47,7 @@ def blocks(tmp_path_factory) -> dict[str, Path]:
         assert name not in files, f"two blocks are named {name!r}"
         files[name] = folder / f"docs_{name}.py"
         files[name].write_text(code)
-    assert sorted(files) == ["dataset", "logger", "model", "observer", "parts_model", "schedule"]
+    assert sorted(files) == ["dataset", "logger", "model", "observer", "optimizer", "parts_model", "schedule"]
     return files
 
 
@@ -161,6 +161,31 @@ def test_model_block_tp_plan_and_schedule_block_train_like_one_process(blocks, t
     for name, parallelism in layouts.items():
         config = str(write_config(tmp_path / name, **parallelism))
         losses = run_ranks(2, _train_rank, config, plugins, timeout=300)[0]
+        assert losses == pytest.approx(reference, rel=1e-5), name
+
+
+@pytest.mark.slow
+def test_optimizer_block_distributes_itself_through_the_core_contract(blocks, tmp_path):
+    """`normalized_sgd` normalises by the whole parameter's gradient norm from the `ParamPiece`s the ZeRO
+    stage hands it: dp2 with ZeRO-1 (rows) and tp2 (pieces) train like one process, where a per-rank
+    norm would take longer steps (a step of lr per piece instead of per parameter)."""
+    plugins = [str(blocks[name]) for name in ("model", "dataset", "logger", "optimizer")]
+
+    def config(name: str, zero: int = 0, **parallelism: object) -> str:
+        path = write_config(tmp_path / name, **parallelism)
+        raw = yaml.safe_load(path.read_text())
+        raw["optimizer"]["optimizer_factory"] = {"name": "normalized_sgd", "eps": 1e-8}
+        raw["optimizer"]["zero_stage"] = zero
+        raw["optimizer"]["learning_rate_scheduler"]["learning_rate"] = 0.5
+        raw["tokens"]["train_steps"] = 4
+        raw["tokens"]["batch_accumulation_per_replica"] = 2 // parallelism.get("dp", 1)  # type: ignore[operator]
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        return str(path)
+
+    reference = run_training(load_config(config("one"), plugins))
+    assert reference[0] - reference[-1] > 0.05, reference  # it trains
+    for name, zero, parallelism in (("dp2_zero1", 1, {"dp": 2}), ("tp2", 0, {"tp": 2, "tp_mode": "ALL_REDUCE"})):
+        losses = run_ranks(2, _train_rank, config(name, zero, **parallelism), plugins, timeout=300)[0]
         assert losses == pytest.approx(reference, rel=1e-5), name
 
 

@@ -1,7 +1,6 @@
 """Muon (`optimizer_factory.name: muon`, plugins/optim/muon.py): the Newton-Schulz iteration, one step
-by hand, AdamW for what is not a hidden matrix, which parameters are hidden matrices, the layouts it
-refuses until the distributed step exists, and dp2 / pp2 (matrices whole on each rank) equal to one
-process."""
+by hand, AdamW for what is not a hidden matrix, which parameters are hidden matrices, and every
+layout (ZeRO rows, TP pieces, pipeline stages, experts) equal to one process."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import math
 import pytest
 import torch
 
+from nanocore.checkpoint.tensors import ShardReader
 from nanocore.config.checks import check_config
 from nanocore.config.converter import structure_config
 from nanocore.errors import ConfigError
@@ -17,6 +17,7 @@ from nanocore.model_api import is_hidden_matrix
 from nanocore.plugins import load_plugins
 from nanocore_plugins.optim.muon import KELLER_COEFFICIENTS, MuonArgs, newton_schulz
 from tests.helpers import parity
+from tests.helpers.parity import layout
 from tests.helpers.training import run_training, tiny_config
 
 
@@ -95,11 +96,14 @@ def test_which_parameters_are_hidden_matrices(registries, tmp_path):
         assert name in others, name
 
 
-@pytest.mark.parametrize(("section", "value"), [("optimizer", {"zero_stage": 1}), ("parallelism", {"tp": 2})])
-def test_layouts_that_split_matrices_are_refused_for_now(registries, tmp_path, section, value):
-    raw = muon_config(tmp_path, **{section: value})
-    with pytest.raises(ConfigError, match="optimizer.optimizer_factory.muon needs each hidden matrix whole on a rank"):
-        check_config(structure_config(raw, registries), registries, world_size=2)
+def test_bad_muon_settings_are_refused_with_their_yaml_path(registries, tmp_path):
+    raw = muon_config(tmp_path)
+    raw["optimizer"]["optimizer_factory"]["muon_momentum"] = 1.0
+    raw["optimizer"]["optimizer_factory"]["update_scale"] = "huge"
+    with pytest.raises(ConfigError) as error:
+        check_config(structure_config(raw, registries), registries, world_size=1)
+    assert "optimizer.optimizer_factory.muon_momentum: must be in [0, 1), got 1.0" in str(error.value)
+    assert "optimizer.optimizer_factory.update_scale: must be one of moonlight, spectral, none" in str(error.value)
 
 
 def muon_config(tmp, **sections) -> dict:
@@ -108,10 +112,93 @@ def muon_config(tmp, **sections) -> dict:
     return raw
 
 
+ZERO1, ZERO3 = {"zero_stage": 1}, {"zero_stage": 3}
+# the issue's layouts: ZeRO rows, TP columns and rows, pipeline stages, 3-D, and experts split over EP
+LAYOUTS = {
+    "dp2": (layout(dp=2), {}),
+    "dp4_zero1": (layout(dp=4), ZERO1),
+    "dp2_zero3": (layout(dp=2), ZERO3),
+    "tp2_all_reduce": (layout(tp=2, tp_mode="ALL_REDUCE"), {}),
+    "tp2_reduce_scatter": (layout(tp=2, tp_mode="REDUCE_SCATTER"), {}),
+    "pp2_1f1b": (layout(pp=2, pp_engine="1f1b"), {}),
+    "dp2_tp2_pp2_1f1b_zero1": (layout(dp=2, tp=2, pp=2, pp_engine="1f1b"), ZERO1),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("par", [{"dp": 2}, {"pp": 2}], ids=["dp2", "pp2_1f1b"])
-def test_layouts_with_whole_matrices_train_like_one_process(tmp_path, par):
-    one = run_training(muon_config(tmp_path / "one"))
-    accumulation = {"batch_accumulation_per_replica": 4 // par.get("dp", 1)}
-    run = run_training(muon_config(tmp_path / "run", parallelism=par, tokens=accumulation), 2)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_muon_at_every_layout_trains_like_one_process(tmp_path, tmp_path_factory, name):
+    """Each hidden matrix's update comes from the whole matrix, put together from ZeRO rows and TP
+    pieces: the parity tests' tolerances (10 steps, step-1 loss 1e-5, later losses and weights 1e-4)."""
+    par, optimizer = LAYOUTS[name]
+    accumulation = {"batch_accumulation_per_replica": parity.GLOBAL_MICROBATCHES // par["dp"]}
+    world = par["dp"] * par["tp"] * par["pp"]
+    run = run_training(muon_config(tmp_path, parallelism=par, tokens=accumulation, optimizer=optimizer), world)
+    parity.assert_matches(run, muon_reference(tmp_path_factory))
+
+
+_reference: dict = {}
+
+
+def muon_reference(tmp_path_factory) -> dict:
+    if "dense" not in _reference:
+        _reference["dense"] = run_training(muon_config(tmp_path_factory.mktemp("muon_reference")))
+    return _reference["dense"]
+
+
+@pytest.mark.slow
+def test_mixtral_at_ep2_tp2_trains_like_one_process(tmp_path):
+    """Each expert is its own matrix: stacks split over EP ranks, rows over ZeRO-1's replicas."""
+    from tests.helpers.moe_parity import moe_config
+
+    def muon_moe(tmp, par, **extra):
+        config = moe_config(tmp, par, **extra)
+        config["optimizer"]["optimizer_factory"] = {"name": "muon"}
+        return config
+
+    one = run_training(muon_moe(tmp_path / "one", layout()))
+    par = layout(dp=2, tp=2, expert_parallel_size=2, tp_mode="REDUCE_SCATTER")
+    run = run_training(muon_moe(tmp_path / "run", par, optimizer=ZERO1), 4)
     parity.assert_matches(run, one)
+
+
+@pytest.mark.slow
+def test_muon_state_resumes_at_another_layout(tmp_path, tmp_path_factory):
+    """Momentum buffers (and AdamW's moments) are saved with their place in the full tensor: five
+    steps at dp2·tp2·pp2 ZeRO-1, five more at dp2 ZeRO-3, the losses and weights of ten steps at one
+    process (the parity tolerances)."""
+    from tests.helpers.compare import rel_diff
+
+    def config(tmp, par, optimizer, **checkpoints):
+        accumulation = {"batch_accumulation_per_replica": parity.GLOBAL_MICROBATCHES // par["dp"]}
+        checkpoints = {"checkpoint_interval": 5, **checkpoints}
+        return muon_config(tmp, parallelism=par, tokens=accumulation, optimizer=optimizer, checkpoints=checkpoints)
+
+    ref = muon_reference(tmp_path_factory)
+    run_training(config(tmp_path / "before", layout(dp=2, tp=2, pp=2, pp_engine="1f1b"), ZERO1), 8)
+    ckpt = tmp_path / "before" / "checkpoints" / "5"
+    saved = ShardReader(ckpt / "optimizer").names()
+    assert "model.layers.0.mlp.down_proj.weight::momentum_buffer" in saved, "Muon's momentum is saved"
+    assert "model.embed_tokens.weight::exp_avg_sq" in saved, "and AdamW's moments for the rest"
+    resumed = run_training(config(tmp_path / "after", layout(dp=2), ZERO3, resume_checkpoint_path=str(ckpt)), 2)
+    assert len(resumed["losses"]) == 5
+    diffs = [rel_diff(a, b) for a, b in zip(resumed["losses"], ref["losses"][5:], strict=True)]
+    assert max(diffs) <= parity.RTOL, diffs
+    bad = {k: v for k, v in parity.weight_diffs(resumed["weights"], ref["weights"]).items() if not v <= parity.RTOL}
+    assert not bad, bad
+
+
+def test_newton_schulz_of_a_shard_is_not_a_shard_of_newton_schulz():
+    """Why the distributed step gathers each matrix whole: orthogonalising ZeRO's half of the rows, or
+    TP's half of the columns, gives another update than the same half of the whole matrix's (by
+    far more than the parity tolerance; at layouts, a per-shard iteration misses one-process losses
+    by up to 1.2e-3 relative, measured when the distributed step was written)."""
+    g = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+    whole = newton_schulz(g, 5, KELLER_COEFFICIENTS)
+    rows = newton_schulz(g[:4], 5, KELLER_COEFFICIENTS)
+    cols = newton_schulz(g[:, :6], 5, KELLER_COEFFICIENTS)
+    assert (rows - whole[:4]).norm() > 0.1 * whole[:4].norm()
+    assert (cols - whole[:, :6]).norm() > 0.1 * whole[:, :6].norm()
+    # a permutation of rows (TP's interleaved pieces) commutes with the iteration: order does not matter
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(newton_schulz(g[perm], 5, KELLER_COEFFICIENTS), whole[perm], rtol=1e-5, atol=1e-6)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import launch
 from tests.helpers.launch import frames_from, launch_env, own_code, start_torchrun, torchrun
 from tests.helpers.paths import REPO
 from tests.helpers.training import tiny_config
@@ -145,15 +146,14 @@ def test_user_error_after_the_groups_exist_is_one_message_and_cleans_up(tmp_path
     assert_clean(report)
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended before it was signalled:\n{proc.stdout.read()[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("the run did not reach step 2 in time")
-        time.sleep(0.1)
+def wait_for(path: Path, proc: subprocess.Popen) -> None:
+    launch.wait_for(
+        path,
+        proc,
+        timeout=120,
+        ended="the run ended before it was signalled",
+        late="the run did not reach step 2 in time",
+    )
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from nanocore.checkpoint.verify import verify_checkpoint
+from tests.helpers import launch
 from tests.helpers.launch import RUN_TRAIN, launch_env, torchrun_command
 from tests.helpers.training import tiny_config
 
@@ -81,15 +82,10 @@ def first_to_end(procs: list[subprocess.Popen], timeout: float = 180) -> subproc
     raise AssertionError("neither launch ended: both ran on (each holds on at step 1 until the other has ended)")
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended early:\n{proc.stdout.read()[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("the run did not reach the step it holds on at")
-        time.sleep(0.05)
+def wait_for(path: Path, proc: subprocess.Popen) -> None:
+    launch.wait_for(
+        path, proc, timeout=180, ended="the run ended early", late="the run did not reach the step it holds on at"
+    )
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

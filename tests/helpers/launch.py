@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.helpers.paths import REPO
@@ -71,3 +72,17 @@ def frames_from(output: str, *places: Path) -> list[str]:
         if path.is_absolute() and any(path.resolve() == r or path.resolve().is_relative_to(r) for r in roots):
             found.append(name)
     return found
+
+
+def wait_for(path: Path, proc: subprocess.Popen, *, timeout: float, ended: str, late: str) -> None:
+    """Until `path` exists: an AssertionError saying `ended` (with the run's last output) if the run
+    exits first, or `late` once `timeout` seconds pass (the run is killed)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            output = proc.stdout.read()[-3000:] if proc.stdout is not None else ""
+            raise AssertionError(f"{ended}:\n{output}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(late)
+        time.sleep(0.05)

@@ -258,6 +258,7 @@ class ZeroOptimizer(Protocol):
     def state_bytes(self) -> int:
         """Bytes of optimizer state (and master weights) held by this rank."""
 
-    def expected_state_bytes(self, states_per_element: int) -> int:
+    def expected_state_bytes(self, states_per_element: int, matrix_states_per_element: int | None = None) -> int:
         """Bytes this rank will hold once the optimizer keeps `states_per_element` fp32 tensors per
-        parameter element it updates (the optimizer registry entry's `states_per_element(args)`)."""
+        parameter element it updates (the optimizer registry entry's `states_per_element(args)`), and
+        `matrix_states_per_element` per element of hidden matrices when given (`matrix_states_per_element`)."""

@@ -198,6 +198,13 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
             "step_temporaries_per_element": Extra(
                 _FUNCTION, "fn(args) -> int: temporary copies per element while the optimizer steps (planner)"
             ),
+            "matrix_states_per_element": Extra(
+                _FUNCTION, "fn(args) -> int: state tensors per element of hidden matrices (default states_per_element)"
+            ),
+            "matrix_step_buffers": Extra(
+                _FUNCTION,
+                "fn(args) -> int: float32 buffers the size of one whole hidden matrix held while it steps (planner)",
+            ),
             "takes_pieces": Extra(
                 bool,
                 "factory also takes pieces: dict[Tensor, ParamPiece] (nanocore.engine_api), to distribute itself",

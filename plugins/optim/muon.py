@@ -44,6 +44,7 @@ from nanocore.sharding import Placement, all_gather_single, row_share
 
 KELLER_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 UPDATE_SCALES = ("moonlight", "spectral", "none")
+NS_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @attrs.define
@@ -62,6 +63,12 @@ class MuonArgs:
         "sqrt(max(1, out / in)); none: 1.",
         default="moonlight",
     )
+    ns_dtype: str = doc(
+        "dtype of the Newton-Schulz iteration: auto (bfloat16 on CUDA, as the reference implementations run it; "
+        "float32 elsewhere, where bfloat16 matmuls are slow), float32 or bfloat16. The momentum and the update "
+        "stay in the optimizer's float32.",
+        default="auto",
+    )
     adam_beta1: float = doc("AdamW's first-moment decay, for the parameters that are not hidden matrices.", default=0.9)
     adam_beta2: float = doc("AdamW's second-moment decay, for the same.", default=0.95)
     adam_eps: float = doc("AdamW's epsilon, for the same.", default=1e-8)
@@ -76,23 +83,35 @@ class MuonArgs:
             p.append(f"ns_coefficients: must be three numbers (a, b, c), got {self.ns_coefficients}")
         if self.update_scale not in UPDATE_SCALES:
             p.append(f"update_scale: must be one of {', '.join(UPDATE_SCALES)}, got {self.update_scale!r}")
+        if self.ns_dtype not in NS_DTYPES:
+            p.append(f"ns_dtype: must be one of {', '.join(NS_DTYPES)}, got {self.ns_dtype!r}")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 p.append(f"{name}: must be in [0, 1), got {getattr(self, name)}")
         return p
 
 
-def newton_schulz(g: torch.Tensor, steps: int, coefficients: tuple[float, float, float]) -> torch.Tensor:
-    """The approximate orthogonal factor of each matrix in `g` ([..., rows, cols]), in `g`'s dtype."""
+def newton_schulz(
+    g: torch.Tensor, steps: int, coefficients: tuple[float, float, float], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The approximate orthogonal factor of each matrix in `g` ([..., rows, cols]), in `g`'s dtype,
+    iterated in `dtype` (default `g`'s)."""
     a, b, c = coefficients
-    x = g / (g.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # every singular value <= 1
+    x = (g / (g.norm(dim=(-2, -1), keepdim=True) + 1e-7)).to(dtype or g.dtype)  # every singular value <= 1
     tall = g.size(-2) > g.size(-1)
     if tall:  # iterate on the wide form: X X^T is then the smaller Gram matrix
         x = x.mT
     for _ in range(steps):
         gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.mT if tall else x
+    return (x.mT if tall else x).to(g.dtype)
+
+
+def ns_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The iteration's dtype for `MuonArgs.ns_dtype` on `device`."""
+    if name == "bfloat16" or (name == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
 
 
 def update_scale(kind: str, rows: int, cols: int) -> float:
@@ -153,7 +172,7 @@ class Muon(torch.optim.Optimizer):
             whole = _gather_rows(u, piece, owner)  # this piece of the matrix, whole on the owner
             if whole is not None:  # the owner: the full matrix, Newton-Schulz once, back to this piece
                 full = self._assemble(p, whole, piece)
-                o = newton_schulz(full, args.ns_steps, coefficients)
+                o = newton_schulz(full, args.ns_steps, coefficients, ns_dtype(args.ns_dtype, full.device))
                 whole = o[(..., *piece.local_placement.slices(piece.local_shape)[-2:])].contiguous()
             o = _scatter_rows(whole, u, piece, owner)
             if wd:

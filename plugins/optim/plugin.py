@@ -43,9 +43,14 @@ def register_optimizers(registry):
         build_muon,
         config_class=MuonArgs,
         description="Muon (Newton-Schulz orthogonalised momentum) for hidden matrices, AdamW for the rest",
-        # AdamW's 2 for the parameters that are not hidden matrices (Muon's keep 1: an upper bound)
-        states_per_element=lambda args: 2,
-        step_temporaries_per_element=lambda args: 0,  # one matrix at a time (a few matrix-sized temporaries)
+        states_per_element=lambda args: 2,  # AdamW's moments for what is not a hidden matrix
+        matrix_states_per_element=lambda args: 1,  # the momentum buffer
+        # AdamW's part runs torch's multi-tensor kernel (one temporary per element; counted over every
+        # element, an upper bound: a matrix's own temporaries are the buffers below)
+        step_temporaries_per_element=lambda args: 1,
+        # one matrix at a time, on its owner: the gathered rows, the TP pieces, the whole matrix, the
+        # iteration's X and its products, the result (plugins/optim/muon.py; docs/optimizers.md)
+        matrix_step_buffers=lambda args: 6,
         takes_pieces=True,  # gathers each matrix whole from its ZeRO rows and TP pieces (ParamPiece)
     )
 

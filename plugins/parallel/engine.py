@@ -112,6 +112,7 @@ class ParallelEngine:
         self.trainables: list[TrainableParam] = []
         self.frozen: list[TrainableParam] = []  # saved, never trained (a router's balancing bias)
         self.states_per_element: int | None = None  # for the start-of-run memory estimate
+        self.matrix_states_per_element: int | None = None  # the same for hidden matrices, where it differs
         # with model.compile, the first step's time (compiling included) is logged
         self.first_step: AbstractContextManager = FirstStepTimer() if config.model.compile else nullcontext()
         torch.manual_seed(config.general.seed + self.rank)
@@ -217,6 +218,8 @@ class ParallelEngine:
         args = optimizer_args
         count = optimizer.extras.get("states_per_element")
         self.states_per_element = count(args.optimizer_factory.args) if count is not None else None
+        matrix_count = optimizer.extras.get("matrix_states_per_element")
+        self.matrix_states_per_element = matrix_count(args.optimizer_factory.args) if matrix_count is not None else None
 
         takes_pieces = bool(optimizer.extras.get("takes_pieces"))
 
@@ -324,7 +327,9 @@ class ParallelEngine:
         held = [self.data_parallel.held(p) for p in {id(p): p for p in self._model().parameters()}.values()]
         optimizer = None
         if self.states_per_element is not None and self.optimizer is not None:
-            optimizer = int(self.optimizer.expected_state_bytes(self.states_per_element))
+            optimizer = int(
+                self.optimizer.expected_state_bytes(self.states_per_element, self.matrix_states_per_element)
+            )
         grads = self.data_parallel.grad_buffer
         shards = self.model_shards()
         active = getattr(self._model(), "active_fraction", lambda name: 1.0)

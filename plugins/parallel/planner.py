@@ -11,7 +11,8 @@ chunks, the way the engine builds it. Then, in bytes:
 - grads: trainable elements x gradient dtype size (float32 under accumulate_grad_in_fp32); ZeRO-2
   keeps its rows only (`row_share` over the data-parallel group);
 - optimizer: `states_per_element` float32 tensors per element the rank updates (all of them at
-  ZeRO-0, its rows at ZeRO-1/2), plus float32 master weights for lower-precision parameters;
+  ZeRO-0, its rows at ZeRO-1/2), `matrix_states_per_element` for hidden matrices where the
+  optimizer declares it (Muon: 1), plus float32 master weights for lower-precision parameters;
 - activations: what autograd keeps per micro-batch (the model's `activation_elements_per_token`) x
   tokens per micro-batch on this rank (micro_batch_size x sequence / cp), summed over the chunks'
   forwards the rank's schedule holds at once (its action list from the pipeline simulator: each
@@ -27,7 +28,9 @@ chunks, the way the engine builds it. Then, in bytes:
   its own, reduced from autograd's gradient itself) and their reduced shares, which fill as backward
   frees activations, after the loss's working set is gone;
 - optimizer step: the optimizer's float32 temporaries (`step_temporaries_per_element`: AdamW's
-  multi-tensor kernel builds one per element, the fused kernel none).
+  multi-tensor kernel builds one per element, the fused kernel none), and `matrix_step_buffers`
+  float32 buffers of the largest whole hidden matrix (its TP pieces together; Muon's gathered
+  pieces and Newton-Schulz products on the matrix's owner).
 
 total = params + grads + optimizer + max(backward, exchange + optimizer step), where backward =
 max(activations, activations - the loss's working set + ZeRO-2 staging):
@@ -36,15 +39,18 @@ backward's peak and the optimizer step's do not overlap (activations are freed b
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from nanocore.config import Config
 from nanocore.dtypes import resolve_dtype_name
 from nanocore.engine_api import MemoryPlan, PlannedLayout, RankPlan
+from nanocore.model_api import is_hidden_matrix
 from nanocore.pipeline_api import Action
 from nanocore.pipeline_sim import simulate
 from nanocore.registry import Registries
-from nanocore.sharding import row_share
+from nanocore.sharding import get_placement, row_share
 
 from .build import keep_rank_part, meta_model
 from .expert_parallel import is_expert
@@ -71,6 +77,10 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
     optimizer_entry = registries.optimizer.get(opt.optimizer_factory.name)
     count = optimizer_entry.extras.get("states_per_element")
     states = count(opt.optimizer_factory.args) if count is not None else None
+    matrix_count = optimizer_entry.extras.get("matrix_states_per_element")
+    matrix_states = matrix_count(opt.optimizer_factory.args) if matrix_count is not None else states
+    buffers = optimizer_entry.extras.get("matrix_step_buffers")
+    matrix_buffers = buffers(opt.optimizer_factory.args) if buffers is not None else 0
     temporaries = optimizer_entry.extras.get("step_temporaries_per_element")
     step_temporaries = temporaries(opt.optimizer_factory.args) if temporaries is not None else 0
     exchange_piece = zero.extras.get("exchange_buffer_bytes")
@@ -110,17 +120,23 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
                     for chunk in local_chunks
                     for i in range(len(chunk))
                 )
-            grads = optimizer = updated = exchange = largest = largest_grad = 0
+            grads = optimizer = updated = exchange = largest = largest_grad = whole_matrix = 0
+            matrices = {id(p) for name, p in model.named_parameters() if is_hidden_matrix(model, name, p.dim())}
             for p in params:
                 if not p.requires_grad:
                     continue
+                if id(p) in matrices:  # the whole matrix (its TP pieces together) an owner steps
+                    whole_matrix = max(
+                        whole_matrix, math.prod(p.shape[:-2]) * math.prod(get_placement(p).full_shape[-2:])
+                    )
                 largest_grad = max(largest_grad, p.numel() * grad_bytes)
                 group = edp if is_expert(p) else dcp
                 share = _row_elements(p, group) if sharded_state else p.numel()
                 grads += (_row_elements(p, group) if shards_grads else p.numel()) * grad_bytes
                 updated += share
                 if states is not None:
-                    optimizer += share * 4 * states + (share * 4 if dtype_bytes != 4 else 0)
+                    kept = matrix_states if id(p) in matrices and matrix_states is not None else states
+                    optimizer += share * 4 * kept + (share * 4 if dtype_bytes != 4 else 0)
                 if sharded_state and group > 1 and not shards_params:  # own rows out, every rank's in
                     exchange += p.numel() * dtype_bytes * (group + 1) / group
                     largest = max(largest, p.numel() * dtype_bytes * (group + 1) / group)
@@ -146,7 +162,10 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
             if shards_grads and dcp > 1:
                 # a parameter larger than a bucket is reduced from autograd's gradient itself
                 staging = min(max(bucket_bytes, largest_grad) + bucket_bytes, grads * dcp) * (1 + 1 / dcp)
-            step_phase = exchange + updated * 4 * step_temporaries  # the optimizer step, activations gone
+            # the optimizer step, activations gone: its temporaries, and a matrix optimizer's buffers of one
+            # whole matrix (Muon's gathered pieces and Newton-Schulz products)
+            step_temps = updated * 4 * step_temporaries + whole_matrix * 4 * matrix_buffers
+            step_phase = exchange + step_temps
             backward_phase = max(activations or 0, (activations or 0) - loss_working + staging) + gathered
             if not loss_working and activations is not None:
                 # a stage without the loss peaks later in backward, when autograd's fresh gradient of its
@@ -166,7 +185,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
                         int(activations / tokens.micro_batch_size) if activations is not None else None
                     ),
                     comm_bytes=int(max(exchange, staging)),
-                    optimizer_step_bytes=int(updated * 4 * step_temporaries),
+                    optimizer_step_bytes=int(step_temps),
                     backward_phase_bytes=int(backward_phase),  # activations + ZeRO-2 staging
                     step_phase_bytes=int(step_phase),  # exchange + optimizer temporaries
                     total_bytes=int(total),

@@ -193,15 +193,19 @@ class ZeroOptimizer:
         for slot in self.slots:
             slot.refresh()
 
-    def expected_state_bytes(self, states_per_element: int) -> int:
+    def expected_state_bytes(self, states_per_element: int, matrix_states_per_element: int | None = None) -> int:
         """Bytes this rank holds once the optimizer keeps `states_per_element` fp32 tensors per element
-        (AdamW: 2) of the rows it updates, plus fp32 master copies of lower-precision parameters."""
+        (AdamW: 2) of the rows it updates (`matrix_states_per_element` of hidden matrices' when given:
+        Muon's 1), plus fp32 master copies of lower-precision parameters."""
         total = 0
         for slot in self.slots:
             if self.sharded and slot.t.param.dim() > 0 and slot.length == 0:
                 continue
             numel = slot.master.numel()
-            total += numel * 4 * states_per_element + (numel * 4 if slot.separate_master else 0)
+            states = states_per_element
+            if slot.t.hidden_matrix and matrix_states_per_element is not None:
+                states = matrix_states_per_element
+            total += numel * 4 * states + (numel * 4 if slot.separate_master else 0)
         return total
 
     def state_bytes(self) -> int:

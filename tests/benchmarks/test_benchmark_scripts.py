@@ -119,3 +119,18 @@ def test_zero3_vs_fsdp2_runs_both_sides_on_the_same_computation(tmp_path):
     # the same weights, samples and AdamW: the losses agree to float32 summation-order noise
     assert len(row["nanocore_zero3_losses"]) == 3 and row["max_loss_difference"] < 1e-4
     assert "peak ratio" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["tiny_llama", "tiny_moe"])
+def test_muon_vs_adamw_trains_every_side_on_the_example(tmp_path, example):
+    out = tmp_path / "muon.json"
+    args = ["--example", example, "--steps", "4", "--val-every", "2", "--muon-lr-factors", "1,2", "--threads", "1"]
+    result = _run_script("muon_vs_adamw.py", [*args, "--json", str(out)], tmp_path)
+    figures = json.loads(out.read_text())
+    assert sorted(figures["sides"]) == ["adam_w", "muon@0.003", "muon@0.006"]
+    for side in figures["sides"].values():
+        assert sorted(side["val_lm_loss"]) == ["2", "4"] and side["tokens_per_sec"] > 0
+    # AdamW reaches its own final loss at its last step, by definition
+    assert figures["sides"]["adam_w"]["steps_to_adam_w_final"] == 4
+    assert "steps to AdamW final" in result.stdout

@@ -139,3 +139,22 @@ def test_a_run_of_bad_batches_stops_with_the_last_good_checkpoint(tmp_path):
 def test_without_the_guard_a_nan_stops_the_run_before_any_update(tmp_path):
     with pytest.raises(TrainingError, match="loss is nan at step 4: training stopped before updating the weights"):
         train(config(tmp_path, 6, guard=None), 1, {4: "nan"})
+
+
+@pytest.mark.slow
+def test_a_guarded_run_resumes_with_its_window_and_count(tmp_path):
+    """The guard's window of recent losses and norms and its skip count travel in the checkpoint: a run
+    saved at step 6 (after skipping step 5) and resumed skips step 8's spike as the uninterrupted run
+    does. A fresh window would hold one step at step 8, under `min_history`, and apply the spike."""
+    bad = {5: "nan", 8: "spike"}
+    whole = train(config(tmp_path / "whole", 10), 1, bad)
+    first = config(tmp_path / "resumed", 6)
+    first["checkpoints"]["checkpoint_interval"] = 6
+    train(first, 1, bad)
+    second = config(tmp_path / "resumed", 10)
+    second["checkpoints"]["resume_checkpoint_path"] = str(tmp_path / "resumed" / "checkpoints" / "6")
+    resumed = train(second, 1, bad)
+    assert [r["skipped_steps"] for r in resumed["metrics"]] == [1, 2, 2, 2], "the count goes on from the checkpoint"
+    assert resumed["losses"] == whole["losses"][6:]
+    for name, tensor in whole["weights"].items():
+        assert torch.equal(resumed["weights"][name], tensor), f"{name} differs from the uninterrupted run"

@@ -149,6 +149,9 @@ class CausalLM(Protocol):
         """Attention runs through `runtime` (context parallelism, document masking); None: plain causal."""
         ...
 
+    attention_heads: int
+    """Query heads of each attention layer, before TP: all_to_all context parallelism splits them."""
+
     def activation_elements_per_token(self) -> dict[str, float] | None:
         """What autograd keeps for backward, in elements per token, for `nanocore plan`: `layer_norms`
         (replicated over TP, sequence-sharded under sequence parallelism), `layer_column_inputs` (the
@@ -176,6 +179,7 @@ OPTIONAL_MEMBERS: dict[str, str] = {
     "set_prediction_runtime": "needed only with prediction_metrics",
     "sequence_features": "context parallelism and document masking are refused",
     "set_sequence_runtime": "needed only with sequence_features",
+    "attention_heads": "context_parallel_mode: all_to_all is refused",
     "activation_elements_per_token": "nanocore plan reports activations as unknown",
 }
 

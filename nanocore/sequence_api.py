@@ -21,6 +21,11 @@ declare them, before any process group exists. A model that declares either must
 `set_sequence_runtime(runtime)`; while no runtime is set (one process, no masking, generation with a
 KV cache) it computes positions from shapes as before.
 
+A model that declares `context_parallel` may also say how many query heads each attention layer has
+(`attention_heads: int`, before tensor parallelism): engines that split heads over context-parallel
+ranks (`parallelism.context_parallel_mode: all_to_all`) check the split against it before any
+process group exists, and refuse the mode for a model that does not say.
+
 Under sequence parallelism (TP REDUCE_SCATTER) attention sees the TP-gathered sequence, so positions
 and attention are over this context-parallel rank's whole share of the sequence, not a TP shard.
 """
@@ -49,6 +54,12 @@ class SequenceRuntime(Protocol):
 def sequence_features(model: torch.nn.Module) -> set[str]:
     """What the model declares it supports (an empty set for a model that says nothing)."""
     return set(getattr(model, "sequence_features", ()) or ())
+
+
+def attention_heads(model: torch.nn.Module) -> int | None:
+    """The query heads of each of the model's attention layers (before TP), or None if it does not say."""
+    heads = getattr(model, "attention_heads", None)
+    return int(heads) if heads is not None else None
 
 
 def document_ids(input_ids: torch.Tensor, separator: int) -> torch.Tensor:

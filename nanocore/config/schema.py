@@ -89,6 +89,12 @@ class ParallelismArgs:
         "Ranks each sequence is split over (context parallelism, ring attention); the model must declare support.",
         default=1,
     )
+    context_parallel_mode: str = doc(
+        "How attention crosses the context-parallel ranks: `ring` (key/value blocks travel round the cp ranks) or "
+        "`all_to_all` (DeepSpeed-Ulysses: heads split over the cp ranks, each attends over the whole sequence; "
+        "needs query heads / tp divisible by context_parallel_size). See docs/context_parallel.md.",
+        default="ring",
+    )
     recompute_layer: bool = doc(
         "Activation checkpointing per decoder layer (the same as recompute_granularity: full).", default=False
     )

@@ -116,6 +116,7 @@ class DecoderLM(TiedWeightsMixin, nn.Module):
         # What engines may do to the sequence (nanocore.sequence_api): split it over context-parallel
         # ranks, mask attention between packed documents.
         self.sequence_features = {"context_parallel", "document_masking"}
+        self.attention_heads = config.num_attention_heads  # all_to_all context parallelism splits these
         self.init_by_row_blocks = True  # init_parameter fills any block of rows alike (by name only)
         self.selective_recompute_modules = [f"{layers_pattern}.self_attn.core"]
         self.tp_plan: dict[str, TPStyle] = {

@@ -20,6 +20,15 @@ home. Saved for backward: this rank's q, k, v, output and log-sum-exp only (O(s/
 
 Document masking composes: every rank knows the document ids of the whole sequence (all CP ranks
 read the same samples), so the mask of any block is built locally from global token indices.
+
+All-to-all attention (`parallelism.context_parallel_mode: all_to_all`, DeepSpeed-Ulysses' design):
+before attention one all-to-all over the cp group turns each of q, k, v from [b, heads, s/cp, d]
+(this rank's tokens, every head) into [b, heads/cp, s, d] (every token, this rank's share of the
+heads); the tokens are put in sequence order, attention runs as on one process (the same kernel,
+causal or document-masked), and one all-to-all turns the output back. Key/value heads that do not
+split over cp are repeated first, each as many times as needed (at most cp / gcd(kv_heads, cp)), so
+each rank holds the key/value heads its query heads read. The token layout (zigzag chunks), the
+positions, the loss and the data path are the ring's; only `attend` differs.
 """
 
 from __future__ import annotations
@@ -30,9 +39,11 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from nanocore.model_parts.attention import attention
 from nanocore.sequence_api import document_attention, document_ids, document_positions
 
 _KV_TAG, _GRAD_TAG = 1, 2
+CONTEXT_PARALLEL_MODES = ("ring", "all_to_all")
 
 
 def zigzag_index(sequence_length: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
@@ -58,9 +69,13 @@ class ContextParallel:
     `ranks` are the global ranks of this rank's context-parallel group in cp-rank order; `separator`
     is the end-of-document token id under document masking (None: off)."""
 
-    def __init__(self, group, cp: int, cp_rank: int, ranks: list[int], separator: int | None = None):
+    def __init__(
+        self, group, cp: int, cp_rank: int, ranks: list[int], separator: int | None = None, mode: str = "ring"
+    ):
+        if mode not in CONTEXT_PARALLEL_MODES:
+            raise ValueError(f"context parallel mode {mode!r} is not one of {CONTEXT_PARALLEL_MODES}")
         self.group, self.cp, self.cp_rank, self.ranks = group, cp, cp_rank, ranks
-        self.separator = separator
+        self.separator, self.mode = separator, mode
         self.layout: Layout | None = None
 
     def prepare(self, input_ids: torch.Tensor) -> Layout:
@@ -89,7 +104,25 @@ class ContextParallel:
         assert layout is not None, "context parallel runtime used outside a micro-batch"
         if self.cp == 1:
             return document_attention(q, k, v, layout.docs)
+        if self.mode == "all_to_all":
+            return self.attend_all_to_all(q, k, v, layout)
         return RingAttention.apply(q, k, v, self, layout)
+
+    # -- all-to-all -----------------------------------------------------------------------
+    def attend_all_to_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """Attention with heads split over the cp ranks and the whole sequence on each (see the module
+        docstring). q [b, heads, L, d]; k, v [b, kv_heads, L, d or dv]; heads must divide by cp."""
+        cp, kv_heads = self.cp, k.shape[1]
+        if q.shape[1] % cp:
+            raise ValueError(f"all_to_all context parallelism: {q.shape[1]} query heads do not split over cp={cp}")
+        if kv_heads % cp:  # repeat each kv head so that every rank's query heads find theirs
+            repeat = cp // math.gcd(kv_heads, cp)
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        order = torch.cat([zigzag_index(layout.index.numel() * cp, cp, j, q.device) for j in range(cp)])
+        to_sequence = torch.argsort(order)  # received (rank-major) -> sequence order
+        q, k, v = (HeadsToSequence.apply(t, self.group, cp).index_select(2, to_sequence) for t in (q, k, v))
+        out = attention(q, k, v) if layout.docs is None else document_attention(q, k, v, layout.docs)
+        return SequenceToHeads.apply(out.index_select(2, order), self.group, cp)
 
     # -- the ring -------------------------------------------------------------------------
     def exchange(self, tensor: torch.Tensor, tag: int) -> tuple[list, torch.Tensor]:
@@ -125,6 +158,47 @@ class ContextParallel:
             same = layout.docs[:, q_index][:, :, None] == layout.docs[:, k_index][:, None, :]
             mask = same if mask is None else mask & same
         return rows, cols, mask
+
+
+def _heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """[b, h, L, d] (this rank's L tokens) -> [b, h/cp, cp*L, d]: head group j goes to cp rank j, and the
+    tokens received are laid out rank by rank."""
+    b, h, length, d = x.shape
+    send = x.reshape(b, cp, h // cp, length, d).transpose(0, 1).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * length, d)
+
+
+def _sequence_to_heads(y: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """The inverse of `_heads_to_sequence`: [b, h/cp, cp*L, d] -> [b, h, L, d]."""
+    b, hc, total, d = y.shape
+    send = y.reshape(b, hc, cp, total // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received.transpose(0, 1).reshape(b, cp * hc, total // cp, d)
+
+
+class HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, cp: int):
+        ctx.group, ctx.cp = group, cp
+        return _heads_to_sequence(x, group, cp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad.contiguous(), ctx.group, ctx.cp), None, None
+
+
+class SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group, cp: int):
+        ctx.group, ctx.cp = group, cp
+        return _sequence_to_heads(y, group, cp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_sequence(grad.contiguous(), ctx.group, ctx.cp), None, None
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -188,7 +188,8 @@ class ParallelEngine:
         if masking and self.document_separator is None:
             raise PluginError("tokens.document_masking needs the end-of-document token id (set_document_separator)")
         separator = self.document_separator if masking else None
-        self.sequence = ContextParallel(grid.cp_group, grid.cp, grid.cp_rank, grid.cp_group_ranks, separator)
+        mode = self.config.parallelism.context_parallel_mode
+        self.sequence = ContextParallel(grid.cp_group, grid.cp, grid.cp_rank, grid.cp_group_ranks, separator, mode)
         self._model().set_sequence_runtime(self.sequence)
 
     def _model(self) -> torch.nn.Module:

@@ -7,8 +7,9 @@ import torch
 from nanocore import hookimpl
 from nanocore.config import Config
 from nanocore.moe_api import moe_layers
-from nanocore.sequence_api import sequence_features
+from nanocore.sequence_api import attention_heads, sequence_features
 
+from .context_parallel import CONTEXT_PARALLEL_MODES
 from .engine import ParallelEngine
 from .planner import plan
 
@@ -25,6 +26,11 @@ def check(config: Config, _args: object, registries=None) -> list[str]:
         problems.append(
             f"parallelism.expert_parallel_size: {ep} must divide {where} (expert-parallel ranks are data-parallel "
             "ranks: each holds 1/ep of the experts and its own share of the batch)"
+        )
+    if par.context_parallel_mode not in CONTEXT_PARALLEL_MODES:
+        problems.append(
+            f"parallelism.context_parallel_mode: {par.context_parallel_mode!r} is not one of "
+            f"{', '.join(CONTEXT_PARALLEL_MODES)}"
         )
     seq = config.tokens.sequence_length
     if cp > 1 and seq % (2 * cp):
@@ -68,6 +74,8 @@ def check_blocks(config: Config, model_entry) -> list[str]:
             f"type {config.model.model_type!r} does not (it lists {sorted(features) or 'nothing'} in "
             "sequence_features; see nanocore.sequence_api); set it to 1"
         )
+    if cp > 1 and "context_parallel" in features and par.context_parallel_mode == "all_to_all":
+        problems += _all_to_all_heads(config, model)
     if masking and "document_masking" not in features:
         problems.append(
             f"tokens.document_masking: model type {config.model.model_type!r} does not declare document masking "
@@ -88,6 +96,25 @@ def check_blocks(config: Config, model_entry) -> list[str]:
                     "(model.model_config.num_local_experts)"
                 )
     return problems
+
+
+def _all_to_all_heads(config: Config, model: torch.nn.Module) -> list[str]:
+    """all_to_all context parallelism splits each rank's query heads over the cp ranks."""
+    par = config.parallelism
+    heads = attention_heads(model)
+    if heads is None:
+        return [
+            f"parallelism.context_parallel_mode: all_to_all splits attention heads over the context-parallel ranks, "
+            f"but model type {config.model.model_type!r} does not declare attention_heads (see "
+            "nanocore.sequence_api); use ring"
+        ]
+    if heads % par.tp or (heads // par.tp) % par.context_parallel_size:
+        return [
+            f"parallelism.context_parallel_mode: all_to_all splits each rank's attention heads over the "
+            f"context-parallel ranks, but the model's {heads} query heads / tp={par.tp} do not divide by "
+            f"context_parallel_size={par.context_parallel_size}; use ring, or a cp (or tp) that divides them"
+        ]
+    return []
 
 
 @hookimpl

@@ -13,6 +13,7 @@ from tests.helpers.training import run_training, tiny_config
 pytestmark = pytest.mark.slow
 
 ZERO1 = {"optimizer": {"zero_stage": 1}}
+A2A = "all_to_all"
 LAYOUTS = {
     "cp2": (layout(context_parallel_size=2), {}),
     "cp4": (layout(context_parallel_size=4), {}),
@@ -30,6 +31,19 @@ LAYOUTS = {
         layout(context_parallel_size=2, dp=2, recompute_granularity="selective"),
         {"optimizer": {"zero_stage": 2}},
     ),
+    # all_to_all mode: heads split over the cp ranks, the whole sequence on each (4 query heads, 2 kv heads:
+    # at cp4 and at cp2·tp2 each kv head is repeated so every rank holds one)
+    "all_to_all_cp2": (layout(context_parallel_size=2, context_parallel_mode=A2A), {}),
+    "all_to_all_cp4": (layout(context_parallel_size=4, context_parallel_mode=A2A), {}),
+    "all_to_all_cp2_tp2_reduce_scatter": (
+        layout(context_parallel_size=2, tp=2, tp_mode="REDUCE_SCATTER", context_parallel_mode=A2A),
+        {},
+    ),
+    "all_to_all_cp2_pp2_interleaved": (
+        layout(context_parallel_size=2, pp=2, pp_engine="interleaved", pp_virtual_stages=2, context_parallel_mode=A2A),
+        {},
+    ),
+    "all_to_all_dp2_cp2_tp2": (layout(context_parallel_size=2, dp=2, tp=2, context_parallel_mode=A2A), {}),
 }
 
 
@@ -53,9 +67,12 @@ def test_context_parallel_with_tied_embeddings_across_stages(tmp_path, tmp_path_
     assert_matches(run, reference(tmp_path_factory, tied=True))
 
 
-def test_context_parallel_with_expert_parallel_mixtral(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("mode", ["ring", A2A])
+def test_context_parallel_with_expert_parallel_mixtral(mode, tmp_path, tmp_path_factory):
     """Experts split over the two context-parallel ranks (EP carved from DP x CP), each holding half
     of every sequence: the auxiliary loss sums its statistics over both halves, like one process."""
-    par = layout(context_parallel_size=2, expert_parallel_size=2, tp=2, tp_mode="REDUCE_SCATTER")
+    par = layout(
+        context_parallel_size=2, expert_parallel_size=2, tp=2, tp_mode="REDUCE_SCATTER", context_parallel_mode=mode
+    )
     run = run_training(moe.moe_config(tmp_path, par), world(par))
     moe.assert_matches(run, moe.reference(tmp_path_factory))

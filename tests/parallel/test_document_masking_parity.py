@@ -22,6 +22,10 @@ LAYOUTS = {
     "cp2": layout(context_parallel_size=2),
     "cp4": layout(context_parallel_size=4),
     "dp2_cp2_tp2": layout(dp=2, context_parallel_size=2, tp=2),
+    # all_to_all: the ordinary document-masked kernel over the whole sequence, heads split over cp
+    "all_to_all_cp2": layout(context_parallel_size=2, context_parallel_mode="all_to_all"),
+    "all_to_all_cp4": layout(context_parallel_size=4, context_parallel_mode="all_to_all"),
+    "all_to_all_dp2_cp2_tp2": layout(dp=2, context_parallel_size=2, tp=2, context_parallel_mode="all_to_all"),
 }
 
 

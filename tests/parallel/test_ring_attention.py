@@ -1,5 +1,6 @@
-"""Ring attention (context parallelism) equals one-process causal attention: outputs and gradients of
-q, k and v, float32, with grouped-query heads and with document masking, at cp 2 and 4."""
+"""Context-parallel attention equals one-process causal attention: outputs and gradients of q, k and v,
+float32, with grouped-query heads and with document masking, at cp 2 and 4, in both modes (the ring,
+and all-to-all: heads split over the ranks, the whole sequence on each)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ B, HEADS, KV_HEADS, S, D = 2, 4, 2, 32, 8
 SEPARATOR = 9
 
 
-def inputs(docs: bool):
+def inputs(docs: bool, kv_heads: int = KV_HEADS, dv: int = D):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, HEADS, S, D, generator=g)
-    k = torch.randn(B, KV_HEADS, S, D, generator=g)
-    v = torch.randn(B, KV_HEADS, S, D, generator=g)
-    dout = torch.randn(B, HEADS, S, D, generator=g)
+    k = torch.randn(B, kv_heads, S, D, generator=g)
+    v = torch.randn(B, kv_heads, S, dv, generator=g)
+    dout = torch.randn(B, HEADS, S, dv, generator=g)
     ids = torch.randint(0, 8, (B, S), generator=g)
     if docs:  # documents of different lengths, one of them crossing every chunk boundary
         ids[0, [3, 4, 20]] = SEPARATOR
@@ -32,8 +33,8 @@ def inputs(docs: bool):
     return q, k, v, dout, ids
 
 
-def reference(docs: bool):
-    q, k, v, dout, ids = inputs(docs)
+def reference(docs: bool, kv_heads: int = KV_HEADS, dv: int = D):
+    q, k, v, dout, ids = inputs(docs, kv_heads, dv)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     if docs:
         out = document_attention(q, k, v, document_ids(ids, SEPARATOR))
@@ -44,14 +45,14 @@ def reference(docs: bool):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _ring(rank, world_size, docs, tile=None):
+def _ring(rank, world_size, docs, tile=None, mode="ring", kv_heads=KV_HEADS, dv=D):
     if tile is not None:  # scores a few query rows at a time
         from nanocore_plugins.parallel import context_parallel
 
         context_parallel._TILE_ELEMENTS = tile
-    q, k, v, dout, ids = inputs(docs)
+    q, k, v, dout, ids = inputs(docs, kv_heads, dv)
     ranks = list(range(world_size))
-    runtime = ContextParallel(dist.group.WORLD, world_size, rank, ranks, SEPARATOR if docs else None)
+    runtime = ContextParallel(dist.group.WORLD, world_size, rank, ranks, SEPARATOR if docs else None, mode)
     runtime.layout = runtime.prepare(ids)
     local = [runtime.shard(t.transpose(1, 2)).transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
     out = runtime.attend(*local)
@@ -59,9 +60,9 @@ def _ring(rank, world_size, docs, tile=None):
     return {"out": out.detach(), "grads": [t.grad for t in local], "index": zigzag_index(S, world_size, rank)}
 
 
-def _assemble(results, index_key="index"):
-    out = torch.zeros(B, HEADS, S, D)
-    grads = [torch.zeros(B, HEADS, S, D), torch.zeros(B, KV_HEADS, S, D), torch.zeros(B, KV_HEADS, S, D)]
+def _assemble(results, index_key="index", kv_heads=KV_HEADS, dv=D):
+    out = torch.zeros(B, HEADS, S, dv)
+    grads = [torch.zeros(B, HEADS, S, D), torch.zeros(B, kv_heads, S, D), torch.zeros(B, kv_heads, S, dv)]
     for r in results:
         out[:, :, r[index_key]] = r["out"]
         for full, part in zip(grads, r["grads"], strict=True):
@@ -69,11 +70,23 @@ def _assemble(results, index_key="index"):
     return out, grads
 
 
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
-def test_ring_attention_equals_one_process(cp, docs):
-    out, grads = _assemble(run_ranks(cp, _ring, docs))
+def test_context_parallel_attention_equals_one_process(cp, docs, mode):
+    out, grads = _assemble(run_ranks(cp, _ring, docs, None, mode))
     ref_out, *ref_grads = reference(docs)
+    assert rel_diff(out, ref_out) <= 1e-5
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        assert rel_diff(got, want) <= 1e-5, name
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_all_to_all_repeats_key_value_heads_fewer_than_cp(kv_heads):
+    """cp 4 over 4 query heads and 1 or 2 key/value heads (each repeated to one per rank), with a value
+    width unlike the query/key width (multi-head latent attention's), under document masking."""
+    out, grads = _assemble(run_ranks(4, _ring, True, None, "all_to_all", kv_heads, 6), kv_heads=kv_heads, dv=6)
+    ref_out, *ref_grads = reference(True, kv_heads, 6)
     assert rel_diff(out, ref_out) <= 1e-5
     for name, got, want in zip("qkv", grads, ref_grads, strict=True):
         assert rel_diff(got, want) <= 1e-5, name

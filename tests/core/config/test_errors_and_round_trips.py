@@ -312,6 +312,7 @@ def test_config_command_prints_every_default(tmp_path, capsys):
         "tp_linear_async_communication": False,
         "expert_parallel_size": 1,
         "context_parallel_size": 1,
+        "context_parallel_mode": "ring",
         "recompute_layer": False,
         "recompute_granularity": None,
         "collective_timeout_seconds": 600.0,

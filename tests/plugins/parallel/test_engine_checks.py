@@ -142,6 +142,22 @@ def test_the_launch_counts_context_parallel_ranks(registries, tmp_path):
     assert "dp x cp x tp x pp = 2 x 2 x 1 x 1 = 4 but the launch has 2 process(es)" in message
 
 
+def test_context_parallel_mode_must_be_known(registries, tmp_path):
+    message = problems(registries, tmp_path, parallelism={"context_parallel_mode": "ulysses"})
+    assert "parallelism.context_parallel_mode: 'ulysses' is not one of ring, all_to_all" in message
+
+
+def test_all_to_all_context_parallel_needs_heads_that_split_over_cp(registries, tmp_path):
+    """The tiny model has 4 query heads: over tp=2 each rank has 2, which cp=4 cannot split (ring can)."""
+    par = {"tp": 2, "context_parallel_size": 4}
+    message = problems(registries, tmp_path, parallelism={**par, "context_parallel_mode": "all_to_all"}, world_size=8)
+    assert (
+        "parallelism.context_parallel_mode: all_to_all splits each rank's attention heads over the context-parallel "
+        "ranks, but the model's 4 query heads / tp=2 do not divide by context_parallel_size=4" in message
+    )
+    check_config(structure_config(tiny_config(tmp_path, parallelism=par), registries), registries, 8)  # ring: fine
+
+
 def test_context_parallel_size_below_one(registries, tmp_path):
     message = problems(registries, tmp_path, parallelism={"context_parallel_size": 0})
     assert "parallelism.context_parallel_size: must be at least 1, got 0" in message

@@ -12,6 +12,8 @@ only what the causal mask leaves: its whole block at i = 0 (causal inside), its 
 early chunk when j < r, its late chunk's queries against all of j's keys when j > r (half a block
 each). Each step's partial outputs merge exactly through their log-sum-exp. The next block's
 transfer is posted before the current block's compute and waited for after it, so they overlap.
+Under document masking a block whose every query/key pair lies in different documents is skipped,
+in forward and backward (its keys and values still travel on: the ring needs them).
 
 Backward goes round the ring the same way: the key/value blocks travel again, and next to them the
 gradient accumulators of the keys and values being visited (each rank adds its part and passes
@@ -77,6 +79,8 @@ class ContextParallel:
         self.group, self.cp, self.cp_rank, self.ranks = group, cp, cp_rank, ranks
         self.separator, self.mode = separator, mode
         self.layout: Layout | None = None
+        # since construction: ring blocks of forward passes; bytes this rank sent for attention
+        self.blocks_computed = self.blocks_skipped = self.bytes_sent = 0
 
     def prepare(self, input_ids: torch.Tensor) -> Layout:
         """The layout of a micro-batch's input ids [b, s] (the whole sequence) on this rank."""
@@ -120,9 +124,16 @@ class ContextParallel:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         order = torch.cat([zigzag_index(layout.index.numel() * cp, cp, j, q.device) for j in range(cp)])
         to_sequence = torch.argsort(order)  # received (rank-major) -> sequence order
-        q, k, v = (HeadsToSequence.apply(t, self.group, cp).index_select(2, to_sequence) for t in (q, k, v))
+        q, k, v = (HeadsToSequence.apply(t, self).index_select(2, to_sequence) for t in (q, k, v))
         out = attention(q, k, v) if layout.docs is None else document_attention(q, k, v, layout.docs)
-        return SequenceToHeads.apply(out.index_select(2, order), self.group, cp)
+        return SequenceToHeads.apply(out.index_select(2, order), self)
+
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        """Chunk j of `send` (dim 0, cp chunks) to cp rank j; chunk i of the result from cp rank i."""
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=self.group)
+        self.bytes_sent += send.numel() * send.element_size() * (self.cp - 1) // self.cp
+        return received
 
     # -- the ring -------------------------------------------------------------------------
     def exchange(self, tensor: torch.Tensor, tag: int) -> tuple[list, torch.Tensor]:
@@ -131,11 +142,21 @@ class ContextParallel:
         nxt = self.ranks[(self.cp_rank + 1) % self.cp]
         prv = self.ranks[(self.cp_rank - 1) % self.cp]
         received = torch.empty_like(tensor)
+        self.bytes_sent += tensor.numel() * tensor.element_size()
         ops = [
             dist.P2POp(dist.isend, tensor, nxt, self.group, tag),
             dist.P2POp(dist.irecv, received, prv, self.group, tag),
         ]
         return dist.batch_isend_irecv(ops), received
+
+    def counts_block(self, mask: torch.Tensor | None) -> bool:
+        """Whether a ring block with this mask has anything to compute (False: every query/key pair is
+        masked, as between two documents); counted in `blocks_computed` / `blocks_skipped`."""
+        if mask is not None and not bool(mask.any()):
+            self.blocks_skipped += 1
+            return False
+        self.blocks_computed += 1
+        return True
 
     def block(self, layout: Layout, step: int) -> tuple[slice, slice, torch.Tensor | None]:
         """At ring step `step` (holding the keys of rank j = r - step): the local query rows and key
@@ -160,45 +181,43 @@ class ContextParallel:
         return rows, cols, mask
 
 
-def _heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+def _heads_to_sequence(x: torch.Tensor, runtime: ContextParallel) -> torch.Tensor:
     """[b, h, L, d] (this rank's L tokens) -> [b, h/cp, cp*L, d]: head group j goes to cp rank j, and the
     tokens received are laid out rank by rank."""
     b, h, length, d = x.shape
-    send = x.reshape(b, cp, h // cp, length, d).transpose(0, 1).contiguous()
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    cp = runtime.cp
+    received = runtime.all_to_all(x.reshape(b, cp, h // cp, length, d).transpose(0, 1).contiguous())
     return received.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * length, d)
 
 
-def _sequence_to_heads(y: torch.Tensor, group, cp: int) -> torch.Tensor:
+def _sequence_to_heads(y: torch.Tensor, runtime: ContextParallel) -> torch.Tensor:
     """The inverse of `_heads_to_sequence`: [b, h/cp, cp*L, d] -> [b, h, L, d]."""
     b, hc, total, d = y.shape
-    send = y.reshape(b, hc, cp, total // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    cp = runtime.cp
+    received = runtime.all_to_all(y.reshape(b, hc, cp, total // cp, d).permute(2, 0, 1, 3, 4).contiguous())
     return received.transpose(0, 1).reshape(b, cp * hc, total // cp, d)
 
 
 class HeadsToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, cp: int):
-        ctx.group, ctx.cp = group, cp
-        return _heads_to_sequence(x, group, cp)
+    def forward(ctx, x, runtime: ContextParallel):
+        ctx.runtime = runtime
+        return _heads_to_sequence(x, runtime)
 
     @staticmethod
     def backward(ctx, grad):
-        return _sequence_to_heads(grad.contiguous(), ctx.group, ctx.cp), None, None
+        return _sequence_to_heads(grad.contiguous(), ctx.runtime), None
 
 
 class SequenceToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, group, cp: int):
-        ctx.group, ctx.cp = group, cp
-        return _sequence_to_heads(y, group, cp)
+    def forward(ctx, y, runtime: ContextParallel):
+        ctx.runtime = runtime
+        return _sequence_to_heads(y, runtime)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_sequence(grad.contiguous(), ctx.group, ctx.cp), None, None
+        return _heads_to_sequence(grad.contiguous(), ctx.runtime), None
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -276,6 +295,12 @@ class RingAttention(torch.autograd.Function):
             if step < runtime.cp - 1:
                 works, kv_next = runtime.exchange(kv, _KV_TAG)
             rows, cols, mask = runtime.block(layout, step)
+            if not runtime.counts_block(mask):  # the mask removes the whole block: nothing to compute
+                if step < runtime.cp - 1:
+                    for work in works:
+                        work.wait()
+                    kv = kv_next
+                continue
             row_index = _row_index(rows, length, groups, q.device)
             kb, vb = kv[0][:, :, cols].float(), kv[1][:, :, cols].float()
             q_rows = qg if row_index is None else qg.index_select(2, row_index)
@@ -315,6 +340,16 @@ class RingAttention(torch.autograd.Function):
             if step < runtime.cp - 1:
                 works, kv_next = runtime.exchange(kv, _KV_TAG)
             rows, cols, mask = runtime.block(layout, step)
+            if mask is not None and not bool(mask.any()):  # skipped in forward: no gradient to add
+                assert pending is not None, "the diagonal block (step 0) always has unmasked keys"
+                for work in pending[0]:
+                    work.wait()
+                pending = runtime.exchange(pending[1], _GRAD_TAG)
+                if step < runtime.cp - 1:
+                    for work in works:
+                        work.wait()
+                    kv = kv_next
+                continue
             row_index = _row_index(rows, length, groups, q.device)
             kb, vb = kv[0][:, :, cols].float(), kv[1][:, :, cols].float()
             q_rows, do_rows, l_rows, d_rows = (_pick(t, row_index) for t in (qg, dout, lse, delta))

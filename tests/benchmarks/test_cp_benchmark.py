@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_cp_memory_benchmark_runs_cp1_and_cp2_side_by_side(tmp_path):
+def test_cp_memory_benchmark_runs_cp1_and_cp2_side_by_side_in_both_modes(tmp_path):
     out = tmp_path / "cp.json"
     args = ["--cp", "1,2", "--seq", "64", "--hidden", "32", "--layers", "1", "--vocab", "64", "--steps", "1"]
     result = subprocess.run(
@@ -26,10 +26,18 @@ def test_cp_memory_benchmark_runs_cp1_and_cp2_side_by_side(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["cp"] for r in rows] == [1, 2]
+    assert [(r["cp"], r["mode"]) for r in rows] == [(1, "ring"), (2, "ring"), (2, "all_to_all")]
     assert len(rows[1]["activation_mib_each_rank"]) == 2
     assert rows[0]["losses"][0] == pytest.approx(rows[1]["losses"][0], rel=1e-5)
-    assert "activation MiB/rank" in result.stdout
+    assert rows[0]["losses"][0] == pytest.approx(rows[2]["losses"][0], rel=1e-5)
+    # one layer, 4 heads (2 kv), hidden 32 (d = 8), 32 local tokens, float32: the ring sends k, v once in
+    # forward and again in backward, and the gradient accumulators twice; all-to-all q, k, v and the output
+    # half each, twice
+    kv = 2 * 2 * 32 * 8 * 4
+    assert rows[0]["mib_sent_per_step"] == 0
+    assert rows[1]["mib_sent_per_step"] * 2**20 == (2 + 2) * kv
+    assert rows[2]["mib_sent_per_step"] * 2**20 == 2 * (2 * 4 + 2 * 2) * 32 * 8 * 4 // 2
+    assert "activation MiB/rank" in result.stdout and "all_to_all" in result.stdout
 
 
 def test_a_step_measured_at_zero_bytes_gives_no_ratio(monkeypatch, tmp_path):
@@ -44,10 +52,10 @@ def test_a_step_measured_at_zero_bytes_gives_no_ratio(monkeypatch, tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
 
-    def measured(args, cp):
-        return {"cp": cp, "activation_mib_per_rank": 0.0, "activation_mib_each_rank": [0.0] * cp,
+    def measured(args, cp, mode="ring"):
+        return {"cp": cp, "mode": mode, "activation_mib_per_rank": 0.0, "activation_mib_each_rank": [0.0] * cp,
                 "step_seconds": 1.0, "tokens_per_second": 64.0, "losses": [4.0]}  # fmt: skip
 
     monkeypatch.setattr(module, "run_cp", measured)
-    rows = module.main(["--cp", "1,2"])
+    rows = module.main(["--cp", "1,2", "--modes", "ring"])
     assert [r["ratio_to_first"] for r in rows] == [None, None]

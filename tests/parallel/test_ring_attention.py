@@ -20,20 +20,22 @@ B, HEADS, KV_HEADS, S, D = 2, 4, 2, 32, 8
 SEPARATOR = 9
 
 
-def inputs(docs: bool, kv_heads: int = KV_HEADS, dv: int = D):
+def inputs(docs: bool | str, kv_heads: int = KV_HEADS, dv: int = D):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, HEADS, S, D, generator=g)
     k = torch.randn(B, kv_heads, S, D, generator=g)
     v = torch.randn(B, kv_heads, S, dv, generator=g)
     dout = torch.randn(B, HEADS, S, dv, generator=g)
     ids = torch.randint(0, 8, (B, S), generator=g)
-    if docs:  # documents of different lengths, one of them crossing every chunk boundary
+    if docs == "chunks":  # one document per chunk of 4 tokens (cp 4): every off-diagonal ring block is masked
+        ids[:, 3::4] = SEPARATOR
+    elif docs:  # documents of different lengths, one of them crossing every chunk boundary
         ids[0, [3, 4, 20]] = SEPARATOR
         ids[1, [14, 30]] = SEPARATOR
     return q, k, v, dout, ids
 
 
-def reference(docs: bool, kv_heads: int = KV_HEADS, dv: int = D):
+def reference(docs: bool | str, kv_heads: int = KV_HEADS, dv: int = D):
     q, k, v, dout, ids = inputs(docs, kv_heads, dv)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     if docs:
@@ -57,7 +59,13 @@ def _ring(rank, world_size, docs, tile=None, mode="ring", kv_heads=KV_HEADS, dv=
     local = [runtime.shard(t.transpose(1, 2)).transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
     out = runtime.attend(*local)
     out.backward(runtime.shard(dout.transpose(1, 2)).transpose(1, 2))
-    return {"out": out.detach(), "grads": [t.grad for t in local], "index": zigzag_index(S, world_size, rank)}
+    return {
+        "out": out.detach(),
+        "grads": [t.grad for t in local],
+        "index": zigzag_index(S, world_size, rank),
+        "blocks": (runtime.blocks_computed, runtime.blocks_skipped),
+        "bytes_sent": runtime.bytes_sent,
+    }
 
 
 def _assemble(results, index_key="index", kv_heads=KV_HEADS, dv=D):
@@ -90,6 +98,35 @@ def test_all_to_all_repeats_key_value_heads_fewer_than_cp(kv_heads):
     assert rel_diff(out, ref_out) <= 1e-5
     for name, got, want in zip("qkv", grads, ref_grads, strict=True):
         assert rel_diff(got, want) <= 1e-5, name
+
+
+def test_ring_attention_skips_blocks_the_document_mask_removes():
+    """Documents that never cross a chunk leave only the diagonal block of each rank to compute: the
+    other 3 of 4 blocks are skipped, in forward and backward, and the result is unchanged."""
+    results = run_ranks(4, _ring, "chunks")
+    assert [r["blocks"] for r in results] == [(1, 3)] * 4
+    out, grads = _assemble(results)
+    ref_out, *ref_grads = reference("chunks")
+    assert rel_diff(out, ref_out) <= 1e-5
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        assert rel_diff(got, want) <= 1e-5, name
+    crossing = run_ranks(4, _ring, True)  # documents across chunks: some blocks skipped, not all
+    assert sum(r["blocks"][1] for r in crossing) < 12 and all(r["blocks"][0] >= 1 for r in crossing)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_bytes_sent_are_what_docs_context_parallel_says(cp):
+    """Per rank, forward and backward of one attention (float32, L = S/cp local tokens): the ring sends
+    its stacked k, v cp-1 times in each direction of the pass plus the k, v gradient accumulators cp
+    times; all-to-all sends q, k, v and the output, (cp-1)/cp of each, in forward and again in backward."""
+    length, word = S // cp, 4
+    kv = 2 * B * KV_HEADS * length * D * word
+    ring = run_ranks(cp, _ring, False)
+    assert {r["bytes_sent"] for r in ring} == {(2 * (cp - 1) + cp) * kv}
+    kv_heads = max(KV_HEADS, cp)  # repeated to one per rank at cp 4
+    a2a = run_ranks(cp, _ring, False, None, "all_to_all")
+    per_pass = (2 * HEADS + 2 * kv_heads) * B * length * D * word * (cp - 1) // cp
+    assert {r["bytes_sent"] for r in a2a} == {2 * per_pass}
 
 
 def test_ring_attention_in_row_tiles_equals_one_process():

@@ -94,6 +94,28 @@ def trainer_for(plugins, config):
     return trainer
 
 
+def _collect(results, procs, what: str, timeout: float = 1800) -> list:
+    """Each rank's `(rank, value)`; a rank that dies first ends the wait at once (its peers would wait
+    on it forever) with its exit code, as does a silence of `timeout` seconds."""
+    import queue
+    import time
+
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < len(procs):
+        try:
+            got.append(results.get(timeout=1.0))
+            continue
+        except queue.Empty:
+            pass
+        dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            why = f"rank {dead[0][0]} exited with {dead[0][1]}" if dead else f"no result in {timeout:.0f} s"
+            raise RuntimeError(f"{what}: {why}")
+    return got
+
+
 def run_ranks(target: Callable, world: int, make_config: Callable[[Path], dict], steps: int, what: str) -> list:
     """Start `target(rank, world, raw, store, steps, results)` on `world` spawned processes (MALLOC_*
     settings need a fresh process) and return what each put on `results`, in rank order: each
@@ -110,7 +132,7 @@ def run_ranks(target: Callable, world: int, make_config: Callable[[Path], dict],
         ]
         for proc in procs:
             proc.start()
-        got = dict(results.get(timeout=1800) for _ in procs)
+        got = dict(_collect(results, procs, what))
         for proc in procs:
             proc.join()
             if proc.exitcode != 0:

@@ -46,6 +46,9 @@ from nanocore.sequence_api import document_attention, document_ids, document_pos
 
 _KV_TAG, _GRAD_TAG = 1, 2
 CONTEXT_PARALLEL_MODES = ("ring", "all_to_all")
+# Ring blocks the document mask removes entirely are skipped; benchmarks/ring_document_skip.py turns this
+# off in its ranks to measure what the skip saves (not a config option: the result is the same either way).
+SKIP_MASKED_BLOCKS = True
 
 
 def zigzag_index(sequence_length: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
@@ -152,7 +155,7 @@ class ContextParallel:
     def counts_block(self, mask: torch.Tensor | None) -> bool:
         """Whether a ring block with this mask has anything to compute (False: every query/key pair is
         masked, as between two documents); counted in `blocks_computed` / `blocks_skipped`."""
-        if mask is not None and not bool(mask.any()):
+        if _skippable(mask):
             self.blocks_skipped += 1
             return False
         self.blocks_computed += 1
@@ -340,7 +343,7 @@ class RingAttention(torch.autograd.Function):
             if step < runtime.cp - 1:
                 works, kv_next = runtime.exchange(kv, _KV_TAG)
             rows, cols, mask = runtime.block(layout, step)
-            if mask is not None and not bool(mask.any()):  # skipped in forward: no gradient to add
+            if _skippable(mask):  # skipped in forward: no gradient to add
                 assert pending is not None, "the diagonal block (step 0) always has unmasked keys"
                 for work in pending[0]:
                     work.wait()
@@ -376,6 +379,11 @@ class RingAttention(torch.autograd.Function):
             work.wait()
         dkv = pending[1]
         return _ungrouped(dq, heads).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def _skippable(mask: torch.Tensor | None) -> bool:
+    """A block whose mask allows no query/key pair (across the micro-batch): nothing to compute."""
+    return SKIP_MASKED_BLOCKS and mask is not None and not bool(mask.any())
 
 
 def _pick(t: torch.Tensor, row_index: torch.Tensor | None) -> torch.Tensor:

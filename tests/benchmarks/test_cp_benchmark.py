@@ -59,3 +59,24 @@ def test_a_step_measured_at_zero_bytes_gives_no_ratio(monkeypatch, tmp_path):
     monkeypatch.setattr(module, "run_cp", measured)
     rows = module.main(["--cp", "1,2", "--modes", "ring"])
     assert [r["ratio_to_first"] for r in rows] == [None, None]
+
+
+@pytest.mark.slow
+def test_ring_document_skip_benchmark_runs_both_sides_on_the_same_computation(tmp_path):
+    out = tmp_path / "skip.json"
+    args = ["--steps", "1", "--rounds", "1", "--seq", "256", "--layers", "1", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ring_document_skip.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(out.read_text())
+    off, on = got["sides"]["off"], got["sides"]["on"]
+    assert off["blocks_skipped_per_step"] == 0  # the skip turned off in the ranks
+    # 4 ranks x 4 ring steps per attention, 1 layer: every block is computed or skipped
+    assert on["blocks_computed_per_step"] + on["blocks_skipped_per_step"] == off["blocks_computed_per_step"] == 16
+    assert got["max_loss_rel_diff"] <= 1e-5
+    assert "blocks computed/step" in result.stdout

@@ -69,6 +69,7 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
                 seconds.append(elapsed)
                 sent.append((sequence.bytes_sent if sequence else 0) - sent_before)
     finally:
+        sequence = None  # it holds the cp process group, which close() destroys
         trainer.close()
     results.put((rank, (statistics.median(activation_kb), statistics.median(seconds), losses, statistics.median(sent))))
 

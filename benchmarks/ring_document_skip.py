@@ -78,6 +78,7 @@ def _rank(rank: int, world: int, job: dict, store: str, steps: int, results) -> 
                 computed.append(sequence.blocks_computed - before[0])
                 skipped.append(sequence.blocks_skipped - before[1])
     finally:
+        sequence = None  # it holds the cp process group, which close() destroys
         trainer.close()
     results.put((rank, {"seconds": seconds, "computed": computed, "skipped": skipped, "losses": losses}))
 

@@ -4,7 +4,8 @@ The long-context example (examples/config_long_context.yaml: the tiny LLaMA on 2
 Python files, each sequence split over 4 context-parallel processes, document masking on) is trained
 for a few steps twice, with the skip off and on (`SKIP_MASKED_BLOCKS` in
 plugins/parallel/context_parallel.py, flipped in the ranks), alternated over rounds, on the same
-data. Reported: ring blocks computed and skipped per step (forward passes, all ranks), tokens/s of
+data. Reported: ring blocks computed and skipped per step (forward passes, all ranks, counted per
+sample of a micro-batch: a block is skipped for a sample whose queries and keys share no document), tokens/s of
 each side (median step time of rank 0) and their ratio, and the step losses of both (the same
 computation: equal within 1e-5).
 

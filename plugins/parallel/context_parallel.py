@@ -12,8 +12,8 @@ only what the causal mask leaves: its whole block at i = 0 (causal inside), its 
 early chunk when j < r, its late chunk's queries against all of j's keys when j > r (half a block
 each). Each step's partial outputs merge exactly through their log-sum-exp. The next block's
 transfer is posted before the current block's compute and waited for after it, so they overlap.
-Under document masking a block whose every query/key pair lies in different documents is skipped,
-in forward and backward (its keys and values still travel on: the ring needs them).
+Under document masking a block whose every query/key pair lies in different documents is skipped
+for that sample, in forward and backward (its keys and values still travel on: the ring needs them).
 
 Backward goes round the ring the same way: the key/value blocks travel again, and next to them the
 gradient accumulators of the keys and values being visited (each rank adds its part and passes
@@ -152,14 +152,15 @@ class ContextParallel:
         ]
         return dist.batch_isend_irecv(ops), received
 
-    def counts_block(self, mask: torch.Tensor | None) -> bool:
-        """Whether a ring block with this mask has anything to compute (False: every query/key pair is
-        masked, as between two documents); counted in `blocks_computed` / `blocks_skipped`."""
-        if _skippable(mask):
-            self.blocks_skipped += 1
-            return False
-        self.blocks_computed += 1
-        return True
+    def live_samples(self, mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+        """The samples of the micro-batch for which a ring block with this mask has anything to compute
+        (a sample's block is dead when every query/key pair is masked, as between two documents); None:
+        all of them. Counted per (sample, block) in `blocks_computed` / `blocks_skipped`."""
+        live = _live_samples(mask, batch)
+        computed = batch if live is None else live.numel()
+        self.blocks_computed += computed
+        self.blocks_skipped += batch - computed
+        return live
 
     def block(self, layout: Layout, step: int) -> tuple[slice, slice, torch.Tensor | None]:
         """At ring step `step` (holding the keys of rank j = r - step): the local query rows and key
@@ -298,7 +299,8 @@ class RingAttention(torch.autograd.Function):
             if step < runtime.cp - 1:
                 works, kv_next = runtime.exchange(kv, _KV_TAG)
             rows, cols, mask = runtime.block(layout, step)
-            if not runtime.counts_block(mask):  # the mask removes the whole block: nothing to compute
+            live = runtime.live_samples(mask, b)
+            if live is not None and live.numel() == 0:  # the mask removes the whole block: nothing to compute
                 if step < runtime.cp - 1:
                     for work in works:
                         work.wait()
@@ -307,7 +309,12 @@ class RingAttention(torch.autograd.Function):
             row_index = _row_index(rows, length, groups, q.device)
             kb, vb = kv[0][:, :, cols].float(), kv[1][:, :, cols].float()
             q_rows = qg if row_index is None else qg.index_select(2, row_index)
-            o_blk, l_blk = _block_forward(q_rows, kb, vb, _expand_mask(mask, groups), scale)
+            emask = _expand_mask(mask, groups)
+            if live is None:
+                o_blk, l_blk = _block_forward(q_rows, kb, vb, emask, scale)
+            else:  # only the samples with something to compute; the others merge nothing (lse -inf)
+                o_s, l_s = _block_forward(*(_samples(t, live) for t in (q_rows, kb, vb, emask)), scale)
+                o_blk, l_blk = _scatter_samples(o_s, live, b, 0.0), _scatter_samples(l_s, live, b, float("-inf"))
             if row_index is None:
                 new = torch.logaddexp(lse, l_blk)
                 out = out * torch.exp(lse - new)[..., None] + o_blk * torch.exp(l_blk - new)[..., None]
@@ -343,7 +350,8 @@ class RingAttention(torch.autograd.Function):
             if step < runtime.cp - 1:
                 works, kv_next = runtime.exchange(kv, _KV_TAG)
             rows, cols, mask = runtime.block(layout, step)
-            if _skippable(mask):  # skipped in forward: no gradient to add
+            live = _live_samples(mask, q.shape[0])
+            if live is not None and live.numel() == 0:  # skipped in forward: no gradient to add
                 assert pending is not None, "the diagonal block (step 0) always has unmasked keys"
                 for work in pending[0]:
                     work.wait()
@@ -356,9 +364,12 @@ class RingAttention(torch.autograd.Function):
             row_index = _row_index(rows, length, groups, q.device)
             kb, vb = kv[0][:, :, cols].float(), kv[1][:, :, cols].float()
             q_rows, do_rows, l_rows, d_rows = (_pick(t, row_index) for t in (qg, dout, lse, delta))
-            dq_rows, dk_blk, dv_blk = _block_backward(
-                q_rows, kb, vb, do_rows, l_rows, d_rows, _expand_mask(mask, groups), scale
-            )
+            inputs = (q_rows, kb, vb, do_rows, l_rows, d_rows, _expand_mask(mask, groups))
+            if live is None:
+                dq_rows, dk_blk, dv_blk = _block_backward(*inputs, scale)
+            else:
+                grads = _block_backward(*(_samples(t, live) for t in inputs), scale)
+                dq_rows, dk_blk, dv_blk = (_scatter_samples(g, live, q.shape[0], 0.0) for g in grads)
             if row_index is None:
                 dq += dq_rows
             else:
@@ -381,9 +392,22 @@ class RingAttention(torch.autograd.Function):
         return _ungrouped(dq, heads).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def _skippable(mask: torch.Tensor | None) -> bool:
-    """A block whose mask allows no query/key pair (across the micro-batch): nothing to compute."""
-    return SKIP_MASKED_BLOCKS and mask is not None and not bool(mask.any())
+def _live_samples(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """Indices of the samples whose block mask allows some query/key pair; None: every sample (no
+    mask, a mask shared by the batch, or the skip turned off)."""
+    if not SKIP_MASKED_BLOCKS or mask is None or mask.shape[0] != batch:
+        return None
+    live = mask.flatten(1).any(dim=1)
+    return None if bool(live.all()) else live.nonzero().squeeze(1)
+
+
+def _samples(t: torch.Tensor | None, live: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t.index_select(0, live)
+
+
+def _scatter_samples(t: torch.Tensor, live: torch.Tensor, batch: int, fill: float) -> torch.Tensor:
+    """[len(live), ...] -> [batch, ...]: the live samples' rows in place, `fill` elsewhere."""
+    return t.new_full((batch, *t.shape[1:]), fill).index_copy(0, live, t)
 
 
 def _pick(t: torch.Tensor, row_index: torch.Tensor | None) -> torch.Tensor:

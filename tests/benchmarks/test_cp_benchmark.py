@@ -76,7 +76,7 @@ def test_ring_document_skip_benchmark_runs_both_sides_on_the_same_computation(tm
     got = json.loads(out.read_text())
     off, on = got["sides"]["off"], got["sides"]["on"]
     assert off["blocks_skipped_per_step"] == 0  # the skip turned off in the ranks
-    # 4 ranks x 4 ring steps per attention, 1 layer: every block is computed or skipped
-    assert on["blocks_computed_per_step"] + on["blocks_skipped_per_step"] == off["blocks_computed_per_step"] == 16
+    # 4 ranks x 4 ring steps per attention x 2 samples a micro-batch, 1 layer: each is computed or skipped
+    assert on["blocks_computed_per_step"] + on["blocks_skipped_per_step"] == off["blocks_computed_per_step"] == 32
     assert got["max_loss_rel_diff"] <= 1e-5
     assert "blocks computed/step" in result.stdout

@@ -29,6 +29,8 @@ def inputs(docs: bool | str, kv_heads: int = KV_HEADS, dv: int = D):
     ids = torch.randint(0, 8, (B, S), generator=g)
     if docs == "chunks":  # one document per chunk of 4 tokens (cp 4): every off-diagonal ring block is masked
         ids[:, 3::4] = SEPARATOR
+    elif docs == "first_in_chunks":
+        ids[0, 3::4] = SEPARATOR
     elif docs:  # documents of different lengths, one of them crossing every chunk boundary
         ids[0, [3, 4, 20]] = SEPARATOR
         ids[1, [14, 30]] = SEPARATOR
@@ -102,16 +104,23 @@ def test_all_to_all_repeats_key_value_heads_fewer_than_cp(kv_heads):
 
 def test_ring_attention_skips_blocks_the_document_mask_removes():
     """Documents that never cross a chunk leave only the diagonal block of each rank to compute: the
-    other 3 of 4 blocks are skipped, in forward and backward, and the result is unchanged."""
+    other 3 of 4 blocks of each of the 2 samples are skipped, in forward and backward, and the result is
+    unchanged (counts are per sample and block)."""
     results = run_ranks(4, _ring, "chunks")
-    assert [r["blocks"] for r in results] == [(1, 3)] * 4
+    assert [r["blocks"] for r in results] == [(2, 6)] * 4
     out, grads = _assemble(results)
     ref_out, *ref_grads = reference("chunks")
     assert rel_diff(out, ref_out) <= 1e-5
     for name, got, want in zip("qkv", grads, ref_grads, strict=True):
         assert rel_diff(got, want) <= 1e-5, name
-    crossing = run_ranks(4, _ring, True)  # documents across chunks: some blocks skipped, not all
-    assert sum(r["blocks"][1] for r in crossing) < 12 and all(r["blocks"][0] >= 1 for r in crossing)
+    # one sample in chunk-sized documents, the other one document: blocks skipped for the first only
+    results = run_ranks(4, _ring, "first_in_chunks")
+    assert [r["blocks"] for r in results] == [(5, 3)] * 4
+    out, grads = _assemble(results)
+    ref_out, *ref_grads = reference("first_in_chunks")
+    assert rel_diff(out, ref_out) <= 1e-5
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        assert rel_diff(got, want) <= 1e-5, name
 
 
 @pytest.mark.parametrize("cp", [2, 4])

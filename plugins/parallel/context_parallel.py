@@ -127,9 +127,9 @@ class ContextParallel:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         order = torch.cat([zigzag_index(layout.index.numel() * cp, cp, j, q.device) for j in range(cp)])
         to_sequence = torch.argsort(order)  # received (rank-major) -> sequence order
-        q, k, v = (HeadsToSequence.apply(t, self).index_select(2, to_sequence) for t in (q, k, v))
+        q, k, v = (HeadsSequenceSwap.apply(t, self, True).index_select(2, to_sequence) for t in (q, k, v))
         out = attention(q, k, v) if layout.docs is None else document_attention(q, k, v, layout.docs)
-        return SequenceToHeads.apply(out.index_select(2, order), self)
+        return HeadsSequenceSwap.apply(out.index_select(2, order), self, False)
 
     def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
         """Chunk j of `send` (dim 0, cp chunks) to cp rank j; chunk i of the result from cp rank i."""
@@ -202,26 +202,18 @@ def _sequence_to_heads(y: torch.Tensor, runtime: ContextParallel) -> torch.Tenso
     return received.transpose(0, 1).reshape(b, cp * hc, total // cp, d)
 
 
-class HeadsToSequence(torch.autograd.Function):
+class HeadsSequenceSwap(torch.autograd.Function):
+    """`_heads_to_sequence` (to_sequence=True) or `_sequence_to_heads`; each one's backward is the other."""
+
     @staticmethod
-    def forward(ctx, x, runtime: ContextParallel):
-        ctx.runtime = runtime
-        return _heads_to_sequence(x, runtime)
+    def forward(ctx, x, runtime: ContextParallel, to_sequence: bool):
+        ctx.runtime, ctx.to_sequence = runtime, to_sequence
+        return (_heads_to_sequence if to_sequence else _sequence_to_heads)(x, runtime)
 
     @staticmethod
     def backward(ctx, grad):
-        return _sequence_to_heads(grad.contiguous(), ctx.runtime), None
-
-
-class SequenceToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, runtime: ContextParallel):
-        ctx.runtime = runtime
-        return _sequence_to_heads(y, runtime)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_sequence(grad.contiguous(), ctx.runtime), None
+        back = _sequence_to_heads if ctx.to_sequence else _heads_to_sequence
+        return back(grad.contiguous(), ctx.runtime), None, None
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -70,6 +70,14 @@ def _ring(rank, world_size, docs, tile=None, mode="ring", kv_heads=KV_HEADS, dv=
     }
 
 
+def assert_matches_reference(out, grads, ref) -> None:
+    """Output and q, k, v gradients within 1e-5 (relative) of the one-process ones."""
+    ref_out, *ref_grads = ref
+    assert rel_diff(out, ref_out) <= 1e-5
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        assert rel_diff(got, want) <= 1e-5, name
+
+
 def _assemble(results, index_key="index", kv_heads=KV_HEADS, dv=D):
     out = torch.zeros(B, HEADS, S, dv)
     grads = [torch.zeros(B, HEADS, S, D), torch.zeros(B, kv_heads, S, D), torch.zeros(B, kv_heads, S, dv)]
@@ -85,10 +93,7 @@ def _assemble(results, index_key="index", kv_heads=KV_HEADS, dv=D):
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
 def test_context_parallel_attention_equals_one_process(cp, docs, mode):
     out, grads = _assemble(run_ranks(cp, _ring, docs, None, mode))
-    ref_out, *ref_grads = reference(docs)
-    assert rel_diff(out, ref_out) <= 1e-5
-    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
-        assert rel_diff(got, want) <= 1e-5, name
+    assert_matches_reference(out, grads, reference(docs))
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
@@ -96,10 +101,7 @@ def test_all_to_all_repeats_key_value_heads_fewer_than_cp(kv_heads):
     """cp 4 over 4 query heads and 1 or 2 key/value heads (each repeated to one per rank), with a value
     width unlike the query/key width (multi-head latent attention's), under document masking."""
     out, grads = _assemble(run_ranks(4, _ring, True, None, "all_to_all", kv_heads, 6), kv_heads=kv_heads, dv=6)
-    ref_out, *ref_grads = reference(True, kv_heads, 6)
-    assert rel_diff(out, ref_out) <= 1e-5
-    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
-        assert rel_diff(got, want) <= 1e-5, name
+    assert_matches_reference(out, grads, reference(True, kv_heads, 6))
 
 
 def test_ring_attention_skips_blocks_the_document_mask_removes():
@@ -109,18 +111,12 @@ def test_ring_attention_skips_blocks_the_document_mask_removes():
     results = run_ranks(4, _ring, "chunks")
     assert [r["blocks"] for r in results] == [(2, 6)] * 4
     out, grads = _assemble(results)
-    ref_out, *ref_grads = reference("chunks")
-    assert rel_diff(out, ref_out) <= 1e-5
-    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
-        assert rel_diff(got, want) <= 1e-5, name
+    assert_matches_reference(out, grads, reference("chunks"))
     # one sample in chunk-sized documents, the other one document: blocks skipped for the first only
     results = run_ranks(4, _ring, "first_in_chunks")
     assert [r["blocks"] for r in results] == [(5, 3)] * 4
     out, grads = _assemble(results)
-    ref_out, *ref_grads = reference("first_in_chunks")
-    assert rel_diff(out, ref_out) <= 1e-5
-    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
-        assert rel_diff(got, want) <= 1e-5, name
+    assert_matches_reference(out, grads, reference("first_in_chunks"))
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -141,10 +137,7 @@ def test_bytes_sent_are_what_docs_context_parallel_says(cp):
 def test_ring_attention_in_row_tiles_equals_one_process():
     """Long sequences score a tile of query rows at a time; tiles of 2 rows give the same result."""
     out, grads = _assemble(run_ranks(2, _ring, True, 2 * B * KV_HEADS * S))
-    ref_out, *ref_grads = reference(True)
-    assert rel_diff(out, ref_out) <= 1e-5
-    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
-        assert rel_diff(got, want) <= 1e-5, name
+    assert_matches_reference(out, grads, reference(True))
 
 
 def test_zigzag_chunks_cover_the_sequence_once_and_balance_causal_work():

@@ -4,9 +4,12 @@ Every rank runs its action list in order. An action starts when its rank is free
 depends on has finished (communication takes no time):
 
 - F of virtual stage s on microbatch m needs F(s - 1, m), which runs on the rank holding s - 1;
-- B(s, m) needs F(s, m) and, unless s is the last virtual stage, B(s + 1, m).
+- B(s, m) and I(s, m) need F(s, m) and, unless s is the last virtual stage, the input gradient of
+  s + 1: B(s + 1, m) or I(s + 1, m);
+- W(s, m) needs I(s, m) (its rank's own input-gradient half of the same backward).
 
-A chunk is 1/v of a rank's layers, so its F takes `t_forward / v` and its B `t_backward / v`.
+A chunk is 1/v of a rank's layers, so its F takes `t_forward / v`, its B `t_backward / v`, its I
+`t_input / v` and its W `t_weight / v` (by default I and W split B in halves).
 Because a rank never waits for anything but a dependency, each action's start time follows from
 finish times already known; the simulator visits every action once (O(total actions)).
 """
@@ -19,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from nanocore.pipeline_api import Action, ScheduleError
+from nanocore.pipeline_api import Action, ScheduleError, stage_owners
 
 
 @attrs.frozen
@@ -46,9 +49,12 @@ class SimResult:
     timelines: list[list[TimedAction]]
 
 
-def describe(action: Action, pp_size: int, rank: int) -> str:
-    stage = action.chunk * pp_size + rank
-    kind = "forward" if action.kind == "F" else "backward"
+_KIND_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+
+
+def describe(action: Action, pp_size: int, rank: int, stage: int | None = None) -> str:
+    stage = action.chunk * pp_size + rank if stage is None else stage
+    kind = _KIND_NAMES.get(action.kind, action.kind)
     return f"{action} ({kind} of chunk {action.chunk} = virtual stage {stage}, microbatch {action.microbatch})"
 
 
@@ -62,13 +68,17 @@ def _action_lists(schedule: Any, pp_size: int, num_microbatches: int, num_chunks
 
 
 def validate(lists: Sequence[Sequence[Action]], num_microbatches: int, num_chunks: int) -> None:
-    """Each rank must run F and B of every (chunk, microbatch) exactly once."""
+    """Each rank must run F and a backward of every (chunk, microbatch) exactly once: B, or I and then W
+    (a weight gradient needs what its input-gradient half kept). A backward listed before its own
+    forward is a deadlock, which `simulate` reports."""
     pp_size = len(lists)
     for rank, actions in enumerate(lists):
         seen: set[tuple[str, int, int]] = set()
         for i, a in enumerate(actions):
-            if not isinstance(a, Action) or a.kind not in ("F", "B"):
-                raise ScheduleError(f"rank {rank}, action #{i}: expected an Action with kind 'F' or 'B', got {a!r}")
+            if not isinstance(a, Action) or a.kind not in _KIND_NAMES:
+                raise ScheduleError(
+                    f"rank {rank}, action #{i}: expected an Action with kind 'F', 'B', 'I' or 'W', got {a!r}"
+                )
             if not (0 <= a.chunk < num_chunks and 0 <= a.microbatch < num_microbatches):
                 raise ScheduleError(
                     f"rank {rank}, action #{i} {a}: chunk must be in [0, {num_chunks}) and microbatch in "
@@ -77,14 +87,32 @@ def validate(lists: Sequence[Sequence[Action]], num_microbatches: int, num_chunk
             key = (a.kind, a.chunk, a.microbatch)
             if key in seen:
                 raise ScheduleError(f"rank {rank} runs {describe(a, pp_size, rank)} twice (again at action #{i})")
+            if a.kind == "W" and ("I", a.chunk, a.microbatch) not in seen:
+                raise ScheduleError(
+                    f"rank {rank}, action #{i}: {describe(a, pp_size, rank)} would use a weight gradient before it "
+                    f"exists: {Action('I', a.chunk, a.microbatch)} must run first"
+                )
+            if (
+                a.kind == "B"
+                and any((k, a.chunk, a.microbatch) in seen for k in ("I", "W"))
+                or (a.kind in ("I", "W") and ("B", a.chunk, a.microbatch) in seen)
+            ):
+                raise ScheduleError(
+                    f"rank {rank}, action #{i}: {describe(a, pp_size, rank)}: a backward runs either whole (B) or "
+                    f"split (I then W), not both"
+                )
             seen.add(key)
         missing = [
-            Action(kind, c, m)
-            for c in range(num_chunks)
-            for m in range(num_microbatches)
-            for kind in ("F", "B")
-            if (kind, c, m) not in seen
+            Action("F", c, m) for c in range(num_chunks) for m in range(num_microbatches) if ("F", c, m) not in seen
         ]
+        for c in range(num_chunks):
+            for m in range(num_microbatches):
+                if ("B", c, m) in seen:
+                    continue
+                if ("I", c, m) in seen and ("W", c, m) not in seen:
+                    missing.append(Action("W", c, m))
+                elif ("I", c, m) not in seen:
+                    missing.append(Action("B", c, m))
         if missing:
             shown = ", ".join(describe(a, pp_size, rank) for a in missing[:3])
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
@@ -98,18 +126,29 @@ def simulate(
     num_chunks: int = 1,
     t_forward: float = 1.0,
     t_backward: float = 2.0,
+    t_input: float | None = None,
+    t_weight: float | None = None,
+    placement: object = None,
 ) -> SimResult:
     """Simulate one step of a `PipelineSchedule` (or of explicit per-rank action lists).
 
     `t_forward` / `t_backward` are the time one rank needs for the forward / backward of all its
-    layers on one microbatch. Raises `ScheduleError` for an incomplete list or a deadlock.
+    layers on one microbatch; `t_input` / `t_weight` those of a split backward's halves (default
+    half of `t_backward` each). Raises `ScheduleError` for an incomplete list or a deadlock.
+    Chunks sit where the schedule places them (`nanocore.pipeline_api.stage_of`); for explicit
+    lists, `placement` is an object with that `stage_of` method (default: Megatron's loop).
     """
     lists = _action_lists(schedule_or_action_lists, pp_size, num_microbatches, num_chunks)
+    owners = stage_owners(schedule_or_action_lists if placement is None else placement, pp_size, num_chunks)
+    stage_at = {(rank, chunk): stage for stage, (rank, chunk) in enumerate(owners)}
     validate(lists, num_microbatches, num_chunks)
     m, last_stage = num_microbatches, pp_size * num_chunks - 1
-    duration = {"F": t_forward / num_chunks, "B": t_backward / num_chunks}
-    # finish[kind][stage * m + microbatch]; -1.0 = not run yet
-    finish = {"F": [-1.0] * ((last_stage + 1) * m), "B": [-1.0] * ((last_stage + 1) * m)}
+    t_input = t_backward / 2 if t_input is None else t_input
+    t_weight = t_backward / 2 if t_weight is None else t_weight
+    duration = {"F": t_forward, "B": t_backward, "I": t_input, "W": t_weight}
+    duration = {kind: t / num_chunks for kind, t in duration.items()}
+    # finish[kind][stage * m + microbatch]; -1.0 = not run yet. "G": the input gradient is ready (B or I)
+    finish = {kind: [-1.0] * ((last_stage + 1) * m) for kind in ("F", "B", "I", "W", "G")}
     pos, free = [0] * pp_size, [0.0] * pp_size
     timelines: list[list[TimedAction]] = [[] for _ in range(pp_size)]
     waiting: dict[tuple[str, int], list[int]] = {}  # (kind, stage * m + mb) -> ranks blocked on it
@@ -119,13 +158,15 @@ def simulate(
         actions, timeline = lists[rank], timelines[rank]
         while pos[rank] < len(actions):
             a = actions[pos[rank]]
-            stage = a.chunk * pp_size + rank
+            stage = stage_at[(rank, a.chunk)]
             if a.kind == "F":
                 deps = [("F", (stage - 1) * m + a.microbatch)] if stage > 0 else []
+            elif a.kind == "W":
+                deps = [("I", stage * m + a.microbatch)]
             else:
                 deps = [("F", stage * m + a.microbatch)]
                 if stage < last_stage:
-                    deps.append(("B", (stage + 1) * m + a.microbatch))
+                    deps.append(("G", (stage + 1) * m + a.microbatch))
             start = free[rank]
             blocked = None
             for kind, index in deps:
@@ -141,11 +182,14 @@ def simulate(
             timeline.append(TimedAction(start, end, a))
             free[rank] = end
             pos[rank] += 1
-            key = (a.kind, stage * m + a.microbatch)
-            finish[a.kind][key[1]] = end
-            ready.extend(waiting.pop(key, ()))
+            index = stage * m + a.microbatch
+            finish[a.kind][index] = end
+            ready.extend(waiting.pop((a.kind, index), ()))
+            if a.kind in ("B", "I"):
+                finish["G"][index] = end
+                ready.extend(waiting.pop(("G", index), ()))
     if any(pos[r] < len(lists[r]) for r in range(pp_size)):
-        raise ScheduleError(_deadlock_message(lists, pos, m))
+        raise ScheduleError(_deadlock_message(lists, pos, owners))
 
     makespan = max((t[-1].end for t in timelines if t), default=0.0)
     busy = [sum(t.end - t.start for t in timeline) for timeline in timelines]
@@ -165,40 +209,49 @@ def simulate(
 
 
 def _peak_in_flight(actions: Sequence[Action]) -> int:
+    """Most (chunk, microbatch) activations held at once: from F until B, or until W (I keeps them)."""
     held = peak = 0
     for a in actions:
-        held += 1 if a.kind == "F" else -1
+        held += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
         peak = max(peak, held)
     return peak
 
 
-def _deadlock_message(lists: Sequence[Sequence[Action]], pos: Sequence[int], m: int) -> str:
+def _deadlock_message(lists: Sequence[Sequence[Action]], pos: Sequence[int], owners: list[tuple[int, int]]) -> str:
+    stage_at = {(rank, chunk): stage for stage, (rank, chunk) in enumerate(owners)}
     pp_size = len(lists)
+
+    def say(action: Action, rank: int) -> str:
+        return describe(action, pp_size, rank, stage_at[(rank, action.chunk)])
+
     lines = ["pipeline schedule deadlocks: these ranks wait for an action that can never finish"]
     for rank, actions in enumerate(lists):
         if pos[rank] >= len(actions):
             continue
         a = actions[pos[rank]]
-        stage = a.chunk * pp_size + rank
+        stage = stage_at[(rank, a.chunk)]
         if a.kind == "F":
-            need = Action("F", (stage - 1) // pp_size, a.microbatch)
-            need_rank = (stage - 1) % pp_size
+            need_rank, need_chunk = owners[stage - 1]
+            need = Action("F", need_chunk, a.microbatch)
+        elif a.kind == "W":
+            need, need_rank = Action("I", a.chunk, a.microbatch), rank
         else:
             # the missing dependency is the own forward if it has not run, else the next stage's backward
             own_forward = Action("F", a.chunk, a.microbatch)
             if own_forward in actions[pos[rank] :]:
                 need, need_rank = own_forward, rank
             else:
-                need = Action("B", (stage + 1) // pp_size, a.microbatch)
-                need_rank = (stage + 1) % pp_size
-        if need_rank == rank:
+                need_rank, need_chunk = owners[stage + 1]
+                split = Action("I", need_chunk, a.microbatch) in lists[need_rank]
+                need = Action("I" if split else "B", need_chunk, a.microbatch)
+        if need_rank == rank and need in actions[pos[rank] :]:
             why = "which comes later in its own list"
         else:
             blocker = lists[need_rank][pos[need_rank]] if pos[need_rank] < len(lists[need_rank]) else None
             why = f"which rank {need_rank} has not run; rank {need_rank} is stuck at {blocker}"
         lines.append(
-            f"  rank {rank} is stuck at action #{pos[rank]} {describe(a, pp_size, rank)}: it needs "
-            f"{describe(need, pp_size, need_rank)} on rank {need_rank}, {why}"
+            f"  rank {rank} is stuck at action #{pos[rank]} {say(a, rank)}: it needs {say(need, need_rank)} on rank "
+            f"{need_rank}, {why}"
         )
     return "\n".join(lines)
 
@@ -210,7 +263,8 @@ def render_timeline(result: SimResult, width: int | None = None) -> str:
     """ASCII picture of a simulated step: one row per rank, time left to right.
 
     A forward is the microbatch's letter in lower case (a = microbatch 0, ..., z = 25, then again),
-    its backward the same letter in upper case; '.' is idle. With `width=None` the shortest action
+    its backward (or a split backward's input-gradient half) the same letter in upper case, the
+    weight-gradient half a digit (microbatch mod 10); '.' is idle. With `width=None` the shortest action
     gets one column (at most 160 columns); actions shorter than a column may be hidden.
     """
     if result.makespan <= 0:
@@ -225,11 +279,17 @@ def render_timeline(result: SimResult, width: int | None = None) -> str:
         cells = ["."] * width
         for t in timeline:
             char = _MICROBATCH_CHARS[t.action.microbatch % len(_MICROBATCH_CHARS)]
-            char = char if t.action.kind == "F" else char.upper()
+            if t.action.kind == "W":
+                char = str(t.action.microbatch % 10)
+            elif t.action.kind != "F":
+                char = char.upper()
             lo, hi = round(t.start * scale), round(t.end * scale)
             for col in range(lo, min(max(hi, lo + 1), width)):
                 if cells[col] == "." or col < hi:
                     cells[col] = char
         rows.append(f"{f'rank {rank}':>{label}} |{''.join(cells)}|")
-    legend = f"{'':>{label}}  a-z: forward of microbatch 0-25 (mod 26), A-Z: its backward, '.': idle"
+    legend = f"{'':>{label}}  a-z: forward of microbatch 0-25 (mod 26), A-Z: its backward"
+    if any(t.action.kind in ("I", "W") for tl in result.timelines for t in tl):
+        legend += " (input-gradient half), 0-9: weight-gradient half (microbatch mod 10)"
+    legend += ", '.': idle"
     return "\n".join([*rows, legend])

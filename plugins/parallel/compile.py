@@ -22,8 +22,16 @@ from torch import nn
 log = logging.getLogger("nanocore")
 
 
-def compile_blocks(chunk_modules: list[list[list[nn.Module]]]) -> int:
-    """Compile every module of every local block in place; returns how many were compiled."""
+def compile_blocks(chunk_modules: list[list[list[nn.Module]]], keep_graph: bool = False) -> int:
+    """Compile every module of every local block in place; returns how many were compiled.
+
+    `keep_graph`: backwards are split (I, then W from the same graph), so autograd must keep the graph
+    after I; compiled backwards then may not donate their saved buffers (torch refuses
+    `retain_graph=True` for those), which costs the memory donation would have reused."""
+    if keep_graph:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.donated_buffer = False
     seen: set[int] = set()
     for chunk in chunk_modules:
         for block in chunk:

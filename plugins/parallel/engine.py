@@ -145,8 +145,10 @@ class ParallelEngine:
             rows_of=self.data_parallel.rows_at_rest,
         )
         self.model, self.true_vocab_size = local.module, local.true_vocab_size
-        if par.recompute == "selective":
-            recompute_selected(self.model)
+        m, v = self.config.tokens.batch_accumulation_per_replica, par.pp_virtual_stages
+        split = any(a.kind in ("I", "W") for a in self.schedule.actions(grid.pp, grid.pp_rank, m, v))
+        if par.recompute == "selective":  # a schedule that splits backwards recomputes once for I and W
+            recompute_selected(self.model, kept=split)
         self._setup_sequence()
         metrics = list(getattr(self.model, "prediction_metrics", ()) or ())
         if metrics:
@@ -162,7 +164,7 @@ class ParallelEngine:
         self.data_parallel.build(chunk_parameters(local), modules)
         loss = language_model_loss(grid.tp_group, grid.tp_rank, self.true_vocab_size)
         if self.config.model.compile:
-            compile_blocks(modules)
+            compile_blocks(modules, keep_graph=split)
             if grid.tp == 1:  # the vocabulary-parallel loss's collectives stay eager
                 loss = compile_loss(loss)
         self.executor = PipelineExecutor(

@@ -2,8 +2,10 @@
 
 Forward of chunk c on microbatch m receives its input from the rank holding the previous virtual
 stage (or takes the token ids), sends its output on (or computes the loss); backward receives the
-output gradient, runs autograd and sends the input gradient back. Sends are asynchronous and
-never block, receives block until needed, so a rank stalls exactly when the simulator says it does.
+output gradient, runs autograd and sends the input gradient back. A schedule may split a backward:
+I receives the output gradient, computes and sends only the input gradient, and W computes the
+weight gradients later from the same graph (`split_backward`). Sends are asynchronous and never
+block, receives block until needed, so a rank stalls exactly when the simulator says it does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from .context_parallel import ContextParallel
 from .data_parallel import BlockParameters
 from .grid import ProcessGrid
 from .prediction import TokenPrediction
+from .recompute import recompute_kept
+from .split_backward import WeightGradients, backward_input
 
 _HEADER = 8  # ndim + up to 7 dims
 
@@ -72,7 +76,8 @@ class P2P:
 
 
 class GradientHooks(Protocol):
-    """What the executor tells the data-parallel gradients around each backward."""
+    """What the executor tells the data-parallel gradients around each backward (B, or the W that
+    produces a split backward's weight gradients)."""
 
     def final_backward(self, chunk: int | None) -> None:
         """The next backward is `chunk`'s last of this step (None: the step's backwards are over)."""
@@ -111,6 +116,15 @@ class PipelineExecutor:
         self.p2p = P2P(grid, dtype)
         self.last_stage = local.num_virtual_stages - 1
         self._actions: dict[int, list[Action]] = {}
+        self.split = False  # this step's schedule splits backwards (I and W): recompute must keep its tensors
+        self.chunk_weights = [
+            list(
+                {
+                    id(p): p for block in chunk for module in block for p in module.parameters() if p.requires_grad
+                }.values()
+            )
+            for chunk in chunk_modules
+        ]
 
     def actions(self, num_microbatches: int) -> list[Action]:
         if num_microbatches not in self._actions:
@@ -131,7 +145,10 @@ class PipelineExecutor:
                 stage == self.last_stage and b == len(self.chunk_modules[c]) - 1
             )
             if grad and self.recompute and not first_or_last:
-                x = checkpoint(_apply_block, block, x, use_reentrant=False)
+                if self.split:  # recomputed once for I and W together
+                    x = recompute_kept(_apply_block, block, x)
+                else:
+                    x = checkpoint(_apply_block, block, x, use_reentrant=False)
             else:
                 x = _apply_block(block, x)
             if params is not None:
@@ -165,12 +182,14 @@ class PipelineExecutor:
         device = self.grid.device
         total = torch.zeros((), dtype=torch.float32, device=device)
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        weight_work: dict[tuple[int, int], WeightGradients] = {}  # split backwards between I and W
         actions = self.actions(m_count)
         if not train:
             actions = [Action("F", c, m) for m in range(m_count) for c in range(len(self.local.chunks))]
+        self.split = any(a.kind in ("I", "W") for a in actions)
         last_backward = {}
         for i, a in enumerate(actions):
-            if a.kind == "B":
+            if a.kind in ("B", "W"):  # what produces weight gradients
                 last_backward[a.chunk] = i
         for i, action in enumerate(actions):
             c, m = action.chunk, action.microbatch
@@ -194,6 +213,19 @@ class PipelineExecutor:
                         self.p2p.send(y.detach(), self._owner(stage + 1), (0, stage + 1, m))
                 if train:
                     saved[(c, m)] = (x if stage > 0 else None, y)
+            elif action.kind == "I":  # input gradient now, weight gradients at this chunk's W
+                x, y = saved.pop((c, m))
+                grad = None if stage == self.last_stage else self.p2p.recv(self._owner(stage + 1), (1, stage, m))
+                input_grad, weight_work[(c, m)] = backward_input(y, grad, x, self.chunk_weights[c])
+                if x is not None:
+                    self.p2p.send(input_grad, self._owner(stage - 1), (1, stage - 1, m))
+            elif action.kind == "W":
+                work = weight_work.pop((c, m))
+                if self.gradients is not None:
+                    self.gradients.final_backward(c if last_backward[c] == i else None)
+                work.run()
+                if self.gradients is not None:
+                    self.gradients.after_backward(c)
             else:
                 x, y = saved.pop((c, m))
                 if self.gradients is not None:

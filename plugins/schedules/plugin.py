@@ -1,4 +1,4 @@
-"""The built-in pipeline schedules (afab, 1f1b, interleaved); `nanocore pipeline-sim` runs any schedule on paper."""
+"""The built-in pipeline schedules (afab, 1f1b, interleaved, zb1p); `nanocore pipeline-sim` runs any on paper."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from nanocore.pipeline_api import PipelineSchedule
 from nanocore_plugins.schedules.afab import AllForwardAllBackwardSchedule
 from nanocore_plugins.schedules.interleaved import InterleavedOneFOneBSchedule
 from nanocore_plugins.schedules.one_f_one_b import OneFOneBSchedule
+from nanocore_plugins.schedules.zero_bubble import ZeroBubbleH1Schedule
 
 
 def layout_check(schedule_class: type) -> Callable[[Any, Any], list[str]]:
@@ -31,6 +32,7 @@ def register_pipeline_schedules(registry):
         (AllForwardAllBackwardSchedule, "all forwards, then all backwards (GPipe); holds m microbatches"),
         (OneFOneBSchedule, "one forward one backward (PipeDream-flush); holds <= pp microbatches"),
         (InterleavedOneFOneBSchedule, "Megatron's interleaved 1F1B over pp_virtual_stages chunks per rank"),
+        (ZeroBubbleH1Schedule, "ZB-H1: 1F1B with split backwards, weight gradients fill the bubble; holds <= pp"),
     ):
         registry.register(cls.name, _factory(cls), description=description, check=layout_check(cls))
 

@@ -15,7 +15,7 @@ def message_orders(schedule, pp, m, v):
                     received.setdefault(((stage - 1) % pp, rank, "F"), []).append((stage, a.microbatch))
                 if stage < last:
                     sent.setdefault((rank, (stage + 1) % pp, "F"), []).append((stage + 1, a.microbatch))
-            else:
+            elif a.kind in ("B", "I"):  # W moves nothing between ranks
                 if stage < last:
                     received.setdefault(((stage + 1) % pp, rank, "B"), []).append((stage, a.microbatch))
                 if stage > 0:

@@ -17,6 +17,10 @@ LAYOUTS = [
     ("interleaved", 2, 4, 2),
     ("interleaved", 4, 8, 2),
     ("interleaved", 2, 6, 3),
+    ("zb1p", 2, 4, 1),
+    ("zb1p", 4, 8, 1),
+    ("zb1p", 4, 3, 1),
+    ("zb1p", 8, 16, 1),
 ]
 
 

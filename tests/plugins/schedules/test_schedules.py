@@ -16,8 +16,10 @@ from nanocore_plugins.schedules import plugin as schedules_plugin
 from nanocore_plugins.schedules.afab import AllForwardAllBackwardSchedule
 from nanocore_plugins.schedules.interleaved import InterleavedOneFOneBSchedule
 from nanocore_plugins.schedules.one_f_one_b import OneFOneBSchedule
+from nanocore_plugins.schedules.zero_bubble import ZeroBubbleH1Schedule
 
 AFAB, ONE_F_ONE_B, INTERLEAVED = AllForwardAllBackwardSchedule(), OneFOneBSchedule(), InterleavedOneFOneBSchedule()
+ZB1P = ZeroBubbleH1Schedule()
 
 LAYOUTS = [  # (schedule, pp, microbatches, virtual stages)
     *[(s, p, m, 1) for s in (AFAB, ONE_F_ONE_B) for p in (1, 2, 4) for m in (1, 3, 4, 8)],
@@ -142,7 +144,7 @@ def test_timeline_picture_shows_forwards_backwards_and_idle_time():
 
 def test_registered_schedules_check_the_config_layout():
     registries = _registries()
-    assert set(registries.pipeline_schedule.names()) == {"afab", "1f1b", "interleaved"}
+    assert set(registries.pipeline_schedule.names()) == {"afab", "1f1b", "interleaved", "zb1p"}
 
     def check(engine, pp, m, v):
         return registries.pipeline_schedule.get(engine).extras["check"](_config(pp, m, v, engine), None)
@@ -224,3 +226,68 @@ def test_pipeline_sim_command_runs_a_third_party_schedule(monkeypatch, capsys, t
     out = capsys.readouterr().out
     assert "bubble fraction 0.333333\n" in out  # no theory printed for a schedule that has none
     assert "rank 0: 2 microbatches" in out
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (1, 2, 4, 8) for m in (1, 2, 3, 4, 8, 16, 32)])
+def test_zb1p_runs_forward_input_and_weight_halves_once_each_in_order(p, m):
+    for rank in range(p):
+        actions = ZB1P.actions(p, rank, m, 1)
+        assert sorted(map(str, actions)) == sorted(f"{k}{mb}" for k in "FIW" for mb in range(m))
+        for mb in range(m):
+            f, i, w = (actions.index(Action(k, 0, mb)) for k in "FIW")
+            assert f < i < w
+    simulate(ZB1P, p, m)  # and the ranks' lists together never deadlock
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("m", [4, 8, 16, 32])
+def test_zb1p_has_a_smaller_bubble_than_1f1b_and_no_more_memory(p, m):
+    zb, one = simulate(ZB1P, p, m), simulate(ONE_F_ONE_B, p, m)
+    assert zb.bubble_fraction < one.bubble_fraction
+    assert zb.makespan < one.makespan
+    assert max(zb.peak_in_flight) <= max(one.peak_in_flight) == min(p, m)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (2, 32), (4, 4), (4, 16), (4, 32), (8, 8)])
+def test_zb1p_reaches_the_papers_bubble_when_f_i_and_w_take_equal_time(p, m):
+    result = simulate(ZB1P, p, m, t_forward=1.0, t_backward=2.0)  # I = W = 1
+    assert result.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    assert result.bubble_fraction == pytest.approx(ZB1P.theoretical_bubble(p, m, 1), abs=1e-12)
+
+
+def test_zb1p_on_two_ranks_lets_w_fill_the_wait_for_the_next_gradient():
+    assert [str(a) for a in ZB1P.actions(2, 0, 4, 1)] == [
+        *["F0", "F1", "I0", "W0", "I1", "F2", "W1", "F3", "I2", "W2", "I3", "W3"]
+    ]
+    picture = render_timeline(simulate(ZB1P, 2, 2, 1)).splitlines()
+    assert picture[:2] == ["rank 0 |ab.A0B1|", "rank 1 |.aAbB01|"]
+    assert "0-9: weight-gradient half" in picture[2]
+
+
+def test_split_backward_times_are_simulated_separately():
+    fast_w = simulate(ZB1P, 2, 8, t_forward=1.0, t_backward=2.0, t_input=1.5, t_weight=0.5)
+    fast_i = simulate(ZB1P, 2, 8, t_forward=1.0, t_backward=2.0, t_input=0.5, t_weight=1.5)
+    assert fast_w.busy == fast_i.busy == [8 * 3.0, 8 * 3.0]
+    assert fast_i.makespan < fast_w.makespan  # the input half is on the critical path, W is not
+
+
+def test_the_checker_rejects_a_weight_gradient_before_its_input_half():
+    f, i, w, b = (Action(k, 0, 0) for k in "FIWB")
+    with pytest.raises(ScheduleError, match=r"rank 0, action #1: W0 .* before it exists: I0 must run first"):
+        simulate([[f, w, i]], 1, 1, 1)
+    with pytest.raises(ScheduleError, match="either whole .B. or split .I then W., not both"):
+        simulate([[f, i, b]], 1, 1, 1)
+    with pytest.raises(ScheduleError, match="rank 0 never runs W0"):
+        simulate([[f, i]], 1, 1, 1)
+    with pytest.raises(ScheduleError, match="rank 1 is stuck at action #0 I0.*comes later in its own list"):
+        simulate([[f, i, w], [i, f, w]], 2, 1, 1)
+
+
+def test_pipeline_sim_command_prints_a_table_of_schedules(monkeypatch, capsys):
+    args = ("--engine", "1f1b,interleaved,zb1p", "--pp", "2,4", "--microbatches", "4,8")
+    assert _run_cli(monkeypatch, *args) == 0
+    rows = {tuple(line.split()[:4]): line.split()[4:] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows[("1f1b", "4", "8", "1")] == ["0.2727", "0.2727", "4"]
+    assert rows[("interleaved", "4", "8", "2")] == ["0.1579", "0.1579", "5.5"]
+    assert rows[("zb1p", "2", "8", "1")] == ["0.0400", "0.0400", "2"]
+    assert rows[("zb1p", "4", "4", "1")] == ["0.2000", "0.2000", "4"]

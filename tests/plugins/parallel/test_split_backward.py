@@ -1,0 +1,131 @@
+"""A backward split into its input-gradient half (I) and weight-gradient half (W) gives exactly the
+gradients of one backward, fires the usual gradient hooks, and defers the work it should."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanocore_plugins.parallel.recompute import recompute_kept
+from nanocore_plugins.parallel.split_backward import backward_input
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d, bias=False)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Scale(torch.autograd.Function):
+    """A custom function (like the overlapped TP linear layers) that computes every gradient at once."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(dim=tuple(range(g.dim() - 1)))
+
+
+def _pair(d=16, layers=3, seed=0):
+    torch.manual_seed(seed)
+    a = nn.ModuleList(Block(d) for _ in range(layers))
+    b = nn.ModuleList(Block(d) for _ in range(layers))
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def _forward(blocks, x, kept=False, scale=None):
+    for block in blocks:
+        x = recompute_kept(block, x) if kept else block(x)
+    if scale is not None:
+        x = Scale.apply(x, scale)
+    return x
+
+
+def _assert_same_grads(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert q.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+
+
+def test_input_then_weight_halves_equal_one_backward_and_fire_the_hooks():
+    a, b = _pair()
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    g = torch.randn(2, 5, 16)
+    _forward(a, x).backward(g)
+    fired = []
+    for p in b.parameters():
+        p.register_post_accumulate_grad_hook(fired.append)
+    x2 = x.detach().clone().requires_grad_()
+    input_grad, work = backward_input(_forward(b, x2), g, x2, list(b.parameters()))
+    torch.testing.assert_close(input_grad, x.grad, rtol=0, atol=0)
+    assert all(p.grad is None for p in b.parameters()), "I computed no weight gradient"
+    assert not fired
+    work.run()
+    _assert_same_grads(a, b)
+    assert len(fired) == len(list(b.parameters())), "every weight's accumulate hook ran once, in W"
+
+
+def test_a_first_stage_without_input_gradient_does_everything_in_w():
+    a, b = _pair()
+    ids = torch.randint(0, 16, (2, 5))
+    emb_a, emb_b = nn.Embedding(16, 16), nn.Embedding(16, 16)
+    emb_b.load_state_dict(emb_a.state_dict())
+    _forward(a, emb_a(ids)).sum().backward()
+    input_grad, work = backward_input(_forward(b, emb_b(ids)).sum(), None, None, [*b.parameters(), *emb_b.parameters()])
+    assert input_grad is None and emb_b.weight.grad is None
+    work.run()
+    _assert_same_grads(a, b)
+    torch.testing.assert_close(emb_b.weight.grad, emb_a.weight.grad, rtol=0, atol=0)
+
+
+def test_recompute_runs_once_for_both_halves_and_custom_functions_are_not_run_twice():
+    a, b = _pair()
+    scale_a = nn.Parameter(torch.rand(16) + 0.5)
+    scale_b = nn.Parameter(scale_a.detach().clone())
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    _forward(a, x, scale=scale_a).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    calls = []
+    original = Scale.backward
+    Scale.backward = staticmethod(lambda ctx, g: calls.append(1) or original(ctx, g))
+    try:
+        y = _forward(b, x2, kept=True, scale=scale_b)
+        assert [blk.calls for blk in b] == [1, 1, 1]
+        input_grad, work = backward_input(y.sum(), None, x2, [*b.parameters(), scale_b])
+        assert [blk.calls for blk in b] == [2, 2, 2], "I recomputes each block once"
+        work.run()
+    finally:
+        Scale.backward = original
+    assert [blk.calls for blk in b] == [2, 2, 2], "W reuses what I recomputed"
+    assert len(calls) == 1, "W starts past a custom function whose weight gradient I already produced"
+    torch.testing.assert_close(input_grad, x.grad, rtol=0, atol=0)
+    _assert_same_grads(a, b)
+    torch.testing.assert_close(scale_b.grad, scale_a.grad, rtol=0, atol=0)
+
+
+def test_w_does_not_recompute_the_input_path():
+    """W runs only the weight side: on a chain of linear layers it multiplies once per layer (x^T g),
+    where a second full backward would also run every g W."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(4)])
+    x = torch.randn(3, 8, requires_grad=True)
+    y = layers(x)
+    _, work = backward_input(y.sum(), None, x, list(layers.parameters()))
+    seen = []
+    handles = [torch.autograd.graph.register_multi_grad_hook((x,), lambda grads: seen.append("input"))]
+    with torch.autograd.profiler.profile() as prof:
+        work.run()
+    for h in handles:
+        h.remove()
+    mms = [e for e in prof.function_events if e.name == "aten::mm"]
+    assert len(mms) == 4 and not seen

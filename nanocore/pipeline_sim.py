@@ -9,7 +9,9 @@ depends on has finished (communication takes no time):
 - W(s, m) needs I(s, m) (its rank's own input-gradient half of the same backward).
 
 A chunk is 1/v of a rank's layers, so its F takes `t_forward / v`, its B `t_backward / v`, its I
-`t_input / v` and its W `t_weight / v` (by default I and W split B in halves).
+`t_input / v` and its W `t_weight / v`. By default I and W split B in halves, except on the first
+virtual stage: it has no input gradient to compute or send, so its I is empty and its W is its
+whole backward (as the executor runs it).
 Because a rank never waits for anything but a dependency, each action's start time follows from
 finish times already known; the simulator visits every action once (O(total actions)).
 """
@@ -124,29 +126,36 @@ def simulate(
     pp_size: int,
     num_microbatches: int,
     num_chunks: int = 1,
-    t_forward: float = 1.0,
-    t_backward: float = 2.0,
-    t_input: float | None = None,
-    t_weight: float | None = None,
+    t_forward: float | Sequence[float] = 1.0,
+    t_backward: float | Sequence[float] = 2.0,
+    t_input: float | Sequence[float] | None = None,
+    t_weight: float | Sequence[float] | None = None,
     placement: object = None,
 ) -> SimResult:
     """Simulate one step of a `PipelineSchedule` (or of explicit per-rank action lists).
 
     `t_forward` / `t_backward` are the time one rank needs for the forward / backward of all its
     layers on one microbatch; `t_input` / `t_weight` those of a split backward's halves (default
-    half of `t_backward` each). Raises `ScheduleError` for an incomplete list or a deadlock.
-    Chunks sit where the schedule places them (`nanocore.pipeline_api.stage_of`); for explicit
-    lists, `placement` is an object with that `stage_of` method (default: Megatron's loop).
+    half of `t_backward` each). Each is one number for every rank or a list with one per rank
+    (stages differ: the first embeds, the last computes the loss). Raises `ScheduleError` for an
+    incomplete list or a deadlock. Chunks sit where the schedule places them
+    (`nanocore.pipeline_api.stage_of`); for explicit lists, `placement` is an object with that
+    `stage_of` method (default: Megatron's loop).
     """
     lists = _action_lists(schedule_or_action_lists, pp_size, num_microbatches, num_chunks)
     owners = stage_owners(schedule_or_action_lists if placement is None else placement, pp_size, num_chunks)
     stage_at = {(rank, chunk): stage for stage, (rank, chunk) in enumerate(owners)}
     validate(lists, num_microbatches, num_chunks)
     m, last_stage = num_microbatches, pp_size * num_chunks - 1
-    t_input = t_backward / 2 if t_input is None else t_input
-    t_weight = t_backward / 2 if t_weight is None else t_weight
-    duration = {"F": t_forward, "B": t_backward, "I": t_input, "W": t_weight}
-    duration = {kind: t / num_chunks for kind, t in duration.items()}
+    backward = _per_rank(t_backward, pp_size, "t_backward")
+    times = {
+        "F": _per_rank(t_forward, pp_size, "t_forward"),
+        "B": backward,
+        "I": [b / 2 for b in backward] if t_input is None else _per_rank(t_input, pp_size, "t_input"),
+        "W": [b / 2 for b in backward] if t_weight is None else _per_rank(t_weight, pp_size, "t_weight"),
+    }
+    duration = [{kind: t[rank] / num_chunks for kind, t in times.items()} for rank in range(pp_size)]
+    first_stage_whole = t_input is None and t_weight is None  # its I is empty, its W the whole backward
     # finish[kind][stage * m + microbatch]; -1.0 = not run yet. "G": the input gradient is ready (B or I)
     finish = {kind: [-1.0] * ((last_stage + 1) * m) for kind in ("F", "B", "I", "W", "G")}
     pos, free = [0] * pp_size, [0.0] * pp_size
@@ -178,7 +187,10 @@ def simulate(
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(rank)
                 break
-            end = start + duration[a.kind]
+            took = duration[rank][a.kind]
+            if stage == 0 and first_stage_whole and a.kind in ("I", "W"):
+                took = 0.0 if a.kind == "I" else duration[rank]["B"]
+            end = start + took
             timeline.append(TimedAction(start, end, a))
             free[rank] = end
             pos[rank] += 1
@@ -206,6 +218,15 @@ def simulate(
         peak_in_flight_microbatches=[p / num_chunks for p in peaks],
         timelines=timelines,
     )
+
+
+def _per_rank(value: float | Sequence[float], pp_size: int, name: str) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * pp_size
+    values = [float(v) for v in value]
+    if len(values) != pp_size:
+        raise ScheduleError(f"{name}: expected one time per pipeline rank ({pp_size}), got {len(values)}")
+    return values
 
 
 def _peak_in_flight(actions: Sequence[Action]) -> int:

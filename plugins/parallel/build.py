@@ -24,6 +24,7 @@ from torch import nn
 
 from nanocore.model_api import check_model, tie_parameters, valid_rows
 from nanocore.moe_api import moe_layers
+from nanocore.pipeline_api import stage_of
 from nanocore.registry import Entry
 from nanocore.sharding import Placement, get_placement, set_placement
 
@@ -107,15 +108,17 @@ def build_local_model(
     ep_size: int = 1,
     ep_rank: int = 0,
     rows_of: Callable[[nn.Parameter], tuple[int, int] | None] | None = None,
+    placement: object = None,
 ) -> LocalModel:
     """This rank's part of `model` (a `meta_model`, tensor-parallel layers already swapped in).
 
     `rows_of(param)` -> (start, length), for ZeRO-3: materialise only those rows of the parameter
-    (its shape when whole is kept in `param.zero3_shape`, the rows in `param.zero3_rows`)."""
+    (its shape when whole is kept in `param.zero3_shape`, the rows in `param.zero3_rows`).
+    `placement`: the schedule, whose `stage_of` places chunks (`nanocore.pipeline_api.stage_of`)."""
     tied = list(getattr(model, "tied_parameters", []))
     all_moe_layers = moe_layers(model)
     most_experts = max((int(model.get_submodule(n).num_experts) for n in all_moe_layers), default=0)
-    chunks, chunk_ids = keep_rank_part(model, pp_size, pp_rank, virtual_stages, ep_size, ep_rank)
+    chunks, chunk_ids = keep_rank_part(model, pp_size, pp_rank, virtual_stages, ep_size, ep_rank, placement)
 
     # Canonical names: a tied parameter is initialised and saved under its first name everywhere.
     local = dict(model.named_parameters(remove_duplicate=False))
@@ -150,14 +153,20 @@ def build_local_model(
 
 
 def keep_rank_part(
-    model: nn.Module, pp_size: int, pp_rank: int, virtual_stages: int, ep_size: int, ep_rank: int
+    model: nn.Module,
+    pp_size: int,
+    pp_rank: int,
+    virtual_stages: int,
+    ep_size: int,
+    ep_rank: int,
+    placement: object = None,
 ) -> tuple[list[list[list[str]]], list[int]]:
     """Prune `model` (on meta) in place to this rank's experts and pipeline chunks; returns the local
     chunks (blocks of module names) and their virtual stage numbers. Also used by the memory planner."""
     blocks = model.pipeline_blocks()
     shard_experts(model, ep_size, ep_rank)
     all_chunks = partition(blocks, pp_size * virtual_stages)
-    chunk_ids = [c * pp_size + pp_rank for c in range(virtual_stages)]
+    chunk_ids = [stage_of(placement, c, pp_rank, pp_size, virtual_stages) for c in range(virtual_stages)]
     chunks = [all_chunks[i] for i in chunk_ids]
     keep = {name for chunk in chunks for block in chunk for name in block}
     for chunk in all_chunks:

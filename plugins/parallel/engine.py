@@ -143,6 +143,7 @@ class ParallelEngine:
             ep_size=grid.ep,
             ep_rank=grid.ep_rank,
             rows_of=self.data_parallel.rows_at_rest,
+            placement=self.schedule,
         )
         self.model, self.true_vocab_size = local.module, local.true_vocab_size
         m, v = self.config.tokens.batch_accumulation_per_replica, par.pp_virtual_stages

@@ -192,11 +192,12 @@ class ProcessGrid:
 
     def loss_on_every_rank(self, local_sum: torch.Tensor) -> float:
         """The loss the last stage (tp rank 0) computed, averaged over DP x CP (each cp rank's is the
-        mean over its equal share of the tokens), on every rank."""
+        mean over its equal share of the tokens), on every rank. Only the rank holding the last
+        virtual stage has a nonzero sum (the last pipeline rank, or rank 0 under a V placement)."""
         if not self.distributed:
             return float(local_sum)
         value = local_sum.detach().float().clone()
-        if not (self.is_last_stage and self.tp_rank == 0):
+        if self.tp_rank != 0:
             value.zero_()
         value /= self.dcp
         dist.all_reduce(value)

@@ -11,14 +11,16 @@ block, receives block until needed, so a rank stalls exactly when the simulator 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Protocol
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from nanocore.pipeline_api import Action, PipelineSchedule
+from nanocore.pipeline_api import Action, PipelineSchedule, stage_owners
 
 from .build import LocalModel
 from .context_parallel import ContextParallel
@@ -38,6 +40,7 @@ class P2P:
         self.grid, self.dtype = grid, dtype
         self.pending: list = []
         self.local: dict[tuple, torch.Tensor] = {}
+        self.waited = 0.0  # seconds spent blocked in receives (for ActionTimes)
         self.tagged = grid.backend == "gloo"  # NCCL matches messages in order and ignores tags
 
     def send(self, tensor: torch.Tensor, dst_pp_rank: int, key: tuple[int, int, int]) -> None:
@@ -58,10 +61,12 @@ class P2P:
         src = self.grid.pp_peer(src_pp_rank)
         tag, group = self._tag(key), self.grid.p2p_groups[key[0]]
         header = torch.empty(_HEADER, dtype=torch.long, device=self.grid.device)
+        start = time.perf_counter()
         dist.irecv(header, src, group=group, tag=2 * tag).wait()
         shape = header[1 : 1 + int(header[0])].tolist()
         out = torch.empty(shape, dtype=self.dtype, device=self.grid.device)
         dist.irecv(out, src, group=group, tag=2 * tag + 1).wait()
+        self.waited += time.perf_counter() - start
         return out
 
     def _tag(self, key: tuple[int, int, int]) -> int:
@@ -84,6 +89,19 @@ class GradientHooks(Protocol):
 
     def after_backward(self, chunk: int) -> None:
         """A backward of `chunk` has run (and its input gradient was sent)."""
+
+
+class ActionTimes:
+    """Seconds each kind of action (F, B, I, W) computed on this rank, its waits for messages left
+    out: what the simulator needs to predict a schedule (`benchmarks/pipeline_schedules.py`). On a
+    GPU the times are host times: synchronize in `clock` to measure kernels."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.seconds: dict[str, list[float]] = {}
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds.setdefault(kind, []).append(seconds)
 
 
 class PipelineExecutor:
@@ -115,8 +133,10 @@ class PipelineExecutor:
         self.params = block_parameters
         self.p2p = P2P(grid, dtype)
         self.last_stage = local.num_virtual_stages - 1
+        self.owners = stage_owners(schedule, grid.pp, len(local.chunks))  # stage -> (pp rank, chunk)
         self._actions: dict[int, list[Action]] = {}
         self.split = False  # this step's schedule splits backwards (I and W): recompute must keep its tensors
+        self.times: ActionTimes | None = None  # set to measure each action's compute time
         self.chunk_weights = [
             list(
                 {
@@ -158,7 +178,7 @@ class PipelineExecutor:
         return x
 
     def _owner(self, stage: int) -> int:
-        return stage % self.grid.pp
+        return self.owners[stage][0]
 
     def run(self, micro_batches: list[torch.Tensor], train: bool) -> torch.Tensor:
         """Run one step's actions; returns the sum of this rank's microbatch losses / M (0 off the last stage)."""
@@ -179,70 +199,97 @@ class PipelineExecutor:
 
     def _run(self, inputs: list, labels: list, whole_labels: list, layouts: list, train: bool) -> torch.Tensor:
         m_count = len(inputs)
-        device = self.grid.device
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        weight_work: dict[tuple[int, int], WeightGradients] = {}  # split backwards between I and W
+        step = _Step(
+            inputs, labels, whole_labels, layouts, train, torch.zeros((), dtype=torch.float32, device=self.grid.device)
+        )
         actions = self.actions(m_count)
         if not train:
             actions = [Action("F", c, m) for m in range(m_count) for c in range(len(self.local.chunks))]
         self.split = any(a.kind in ("I", "W") for a in actions)
-        last_backward = {}
         for i, a in enumerate(actions):
             if a.kind in ("B", "W"):  # what produces weight gradients
-                last_backward[a.chunk] = i
+                step.last_backward[a.chunk] = i
+        run = {"F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight}
+        times = self.times if train else None
         for i, action in enumerate(actions):
-            c, m = action.chunk, action.microbatch
-            stage = self.local.chunk_ids[c]
             if layouts:  # read by attention in forward, and in backward where recomputation runs it again
-                self.sequence.layout = layouts[m]
-            if action.kind == "F":
-                if stage == 0:
-                    x = inputs[m]
-                else:
-                    x = self.p2p.recv(self._owner(stage - 1), (0, stage, m))
-                    x.requires_grad_(train)
-                if self.prediction is not None and stage == self.last_stage:
-                    self.prediction.labels = whole_labels[m]
-                with torch.set_grad_enabled(train):
-                    y = self._run_chunk(c, x, train)
-                    if stage == self.last_stage:
-                        y = self.loss_fn(y, labels[m]) / m_count
-                        total += y.detach().float()
-                    else:
-                        self.p2p.send(y.detach(), self._owner(stage + 1), (0, stage + 1, m))
-                if train:
-                    saved[(c, m)] = (x if stage > 0 else None, y)
-            elif action.kind == "I":  # input gradient now, weight gradients at this chunk's W
-                x, y = saved.pop((c, m))
-                grad = None if stage == self.last_stage else self.p2p.recv(self._owner(stage + 1), (1, stage, m))
-                input_grad, weight_work[(c, m)] = backward_input(y, grad, x, self.chunk_weights[c])
-                if x is not None:
-                    self.p2p.send(input_grad, self._owner(stage - 1), (1, stage - 1, m))
-            elif action.kind == "W":
-                work = weight_work.pop((c, m))
-                if self.gradients is not None:
-                    self.gradients.final_backward(c if last_backward[c] == i else None)
-                work.run()
-                if self.gradients is not None:
-                    self.gradients.after_backward(c)
-            else:
-                x, y = saved.pop((c, m))
-                if self.gradients is not None:
-                    self.gradients.final_backward(c if last_backward[c] == i else None)
-                if stage == self.last_stage:
-                    y.backward()
-                else:
-                    grad = self.p2p.recv(self._owner(stage + 1), (1, stage, m))
-                    torch.autograd.backward(y, grad)
-                if x is not None:
-                    self.p2p.send(x.grad, self._owner(stage - 1), (1, stage - 1, m))
-                if self.gradients is not None:  # after the send: the previous stage need not wait for our reduction
-                    self.gradients.after_backward(c)
+                self.sequence.layout = layouts[action.microbatch]
+            if times is None:
+                run[action.kind](step, i, action.chunk, action.microbatch)
+                continue
+            start, waited = times.clock(), self.p2p.waited
+            run[action.kind](step, i, action.chunk, action.microbatch)
+            times.add(action.kind, times.clock() - start - (self.p2p.waited - waited))
         if self.gradients is not None:
             self.gradients.final_backward(None)
         self.p2p.wait_all()
-        return total
+        return step.total
+
+    def _forward(self, step: _Step, i: int, c: int, m: int) -> None:
+        stage = self.local.chunk_ids[c]
+        if stage == 0:
+            x = step.inputs[m]
+        else:
+            x = self.p2p.recv(self._owner(stage - 1), (0, stage, m))
+            x.requires_grad_(step.train)
+        if self.prediction is not None and stage == self.last_stage:
+            self.prediction.labels = step.whole_labels[m]
+        with torch.set_grad_enabled(step.train):
+            y = self._run_chunk(c, x, step.train)
+            if stage == self.last_stage:
+                y = self.loss_fn(y, step.labels[m]) / len(step.inputs)
+                step.total += y.detach().float()
+            else:
+                self.p2p.send(y.detach(), self._owner(stage + 1), (0, stage + 1, m))
+        if step.train:
+            step.saved[(c, m)] = (x if stage > 0 else None, y)
+
+    def _backward(self, step: _Step, i: int, c: int, m: int) -> None:
+        stage = self.local.chunk_ids[c]
+        x, y = step.saved.pop((c, m))
+        if self.gradients is not None:
+            self.gradients.final_backward(c if step.last_backward[c] == i else None)
+        if stage == self.last_stage:
+            y.backward()
+        else:
+            grad = self.p2p.recv(self._owner(stage + 1), (1, stage, m))
+            torch.autograd.backward(y, grad)
+        if x is not None:
+            self.p2p.send(x.grad, self._owner(stage - 1), (1, stage - 1, m))
+        if self.gradients is not None:  # after the send: the previous stage need not wait for our reduction
+            self.gradients.after_backward(c)
+
+    def _backward_input(self, step: _Step, i: int, c: int, m: int) -> None:
+        """Input gradient now (sent at once), weight gradients at this chunk's W."""
+        stage = self.local.chunk_ids[c]
+        x, y = step.saved.pop((c, m))
+        grad = None if stage == self.last_stage else self.p2p.recv(self._owner(stage + 1), (1, stage, m))
+        input_grad, step.weight_work[(c, m)] = backward_input(y, grad, x, self.chunk_weights[c])
+        if x is not None:
+            self.p2p.send(input_grad, self._owner(stage - 1), (1, stage - 1, m))
+
+    def _backward_weight(self, step: _Step, i: int, c: int, m: int) -> None:
+        work = step.weight_work.pop((c, m))
+        if self.gradients is not None:
+            self.gradients.final_backward(c if step.last_backward[c] == i else None)
+        work.run()
+        if self.gradients is not None:
+            self.gradients.after_backward(c)
+
+
+@attrs.define
+class _Step:
+    """One step's micro-batches and what its actions hand each other."""
+
+    inputs: list[torch.Tensor]
+    labels: list[torch.Tensor]
+    whole_labels: list[torch.Tensor]
+    layouts: list
+    train: bool
+    total: torch.Tensor  # the sum of this rank's micro-batch losses / M
+    saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = attrs.Factory(dict)  # F -> B/I
+    weight_work: dict[tuple[int, int], WeightGradients] = attrs.Factory(dict)  # I -> W
+    last_backward: dict[int, int] = attrs.Factory(dict)  # chunk -> index of its last B or W
 
 
 def _before_backward(params, c: int, b: int, grad: torch.Tensor) -> None:

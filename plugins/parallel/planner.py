@@ -105,7 +105,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
                 tp_parallelize(
                     model, model.tp_plan, PlannedGroup(tp, tp_rank), tp_mode, par.tp_linear_async_communication
                 )
-            local_chunks, _ = keep_rank_part(model, pp, pp_rank, par.pp_virtual_stages, ep, 0)
+            local_chunks, _ = keep_rank_part(model, pp, pp_rank, par.pp_virtual_stages, ep, 0, schedule)
             params = {id(p): p for p in model.parameters()}.values()
             param_bytes = sum(p.numel() for p in params) * dtype_bytes
             gathered = 0.0
@@ -290,9 +290,9 @@ def _activations(
             else:
                 elements += sparse_layer if block[0] in moe_layers else layer
         per_chunk.append(elements)
-    held = peak = 0.0  # what the forwards not yet undone by their backward hold, at its largest
+    held = peak = 0.0  # what the forwards not yet undone by their backward (B, or a split one's W) hold
     for action in actions:
-        held += per_chunk[action.chunk] if action.kind == "F" else -per_chunk[action.chunk]
+        held += {"F": 1, "B": -1, "W": -1}.get(action.kind, 0) * per_chunk[action.chunk]
         peak = max(peak, held)
     held = peak
     working = max(layer, sparse_layer if moe_layers else 0.0)  # backward of one layer: its activations, their gradients

@@ -1,4 +1,4 @@
-"""The built-in pipeline schedules (afab, 1f1b, interleaved, zb1p); `nanocore pipeline-sim` runs any on paper."""
+"""The built-in pipeline schedules (afab, 1f1b, interleaved, zb1p, zbv); `nanocore pipeline-sim` runs any on paper."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from nanocore.pipeline_api import PipelineSchedule
 from nanocore_plugins.schedules.afab import AllForwardAllBackwardSchedule
 from nanocore_plugins.schedules.interleaved import InterleavedOneFOneBSchedule
 from nanocore_plugins.schedules.one_f_one_b import OneFOneBSchedule
-from nanocore_plugins.schedules.zero_bubble import ZeroBubbleH1Schedule
+from nanocore_plugins.schedules.zero_bubble import ZeroBubbleH1Schedule, ZeroBubbleVSchedule
 
 
 def layout_check(schedule_class: type) -> Callable[[Any, Any], list[str]]:
@@ -33,6 +33,7 @@ def register_pipeline_schedules(registry):
         (OneFOneBSchedule, "one forward one backward (PipeDream-flush); holds <= pp microbatches"),
         (InterleavedOneFOneBSchedule, "Megatron's interleaved 1F1B over pp_virtual_stages chunks per rank"),
         (ZeroBubbleH1Schedule, "ZB-H1: 1F1B with split backwards, weight gradients fill the bubble; holds <= pp"),
+        (ZeroBubbleVSchedule, "ZBV: 2 chunks per rank in a V, split backwards; near-zero bubble, holds <= pp"),
     ):
         registry.register(cls.name, _factory(cls), description=description, check=layout_check(cls))
 

@@ -1,7 +1,8 @@
 """Zero-bubble schedules train exactly like one process (float32, gloo on CPU).
 
-`pp_engine: zb1p` splits every backward into its input-gradient half (I) and its weight-gradient half
-(W, run later from the same autograd graph). Each layout runs 10 optimizer steps from the same seed
+`pp_engine: zb1p` and `zbv` split every backward into its input-gradient half (I) and its
+weight-gradient half (W, run later from the same autograd graph); zbv also places two chunks per rank
+in a V (rank 0 holds the first and the last stage). Each layout runs 10 optimizer steps from the same seed
 on the same global batches and must match the single-process run within the tolerances of
 `test_parity.py` (step-1 loss 1e-5 relative, later losses and final weights 1e-4 relative), eager
 and with `model.compile: true`.
@@ -34,7 +35,18 @@ LAYOUTS = {
     "dp2_pp2_full_recompute_zero3": (layout(dp=2, pp=2, recompute_layer=True, **ZB), {"optimizer": {"zero_stage": 3}}),
     "dp2_tp2_pp2_zero1": (layout(dp=2, tp=2, pp=2, **ZB), {"optimizer": {"zero_stage": 1}}),
 }
-COMPILED = ["pp2", "pp2_tp2_reduce_scatter", "dp2_pp2_zero3", "pp2_full_recompute", "dp2_tp2_pp2_zero1"]
+ZBV = {"pp_engine": "zbv", "pp_virtual_stages": 2}
+LAYOUTS |= {
+    "zbv_pp2": (layout(pp=2, **ZBV), {}),
+    "zbv_pp2_tp2_reduce_scatter": (layout(pp=2, tp=2, tp_mode="REDUCE_SCATTER", **ZBV), {}),
+    "zbv_dp2_pp2_zero3": (layout(dp=2, pp=2, **ZBV), {"optimizer": {"zero_stage": 3}}),
+    "zbv_pp2_full_recompute": (layout(pp=2, recompute_layer=True, **ZBV), {}),
+    "zbv_dp2_tp2_pp2_zero1": (layout(dp=2, tp=2, pp=2, **ZBV), {"optimizer": {"zero_stage": 1}}),
+}
+COMPILED = [
+    *["pp2", "pp2_tp2_reduce_scatter", "dp2_pp2_zero3", "pp2_full_recompute", "dp2_tp2_pp2_zero1"],
+    *["zbv_pp2", "zbv_dp2_pp2_zero3"],
+]
 
 
 def _run(name: str, tmp_path, compiled: bool) -> dict:
@@ -65,4 +77,23 @@ def test_zb1p_mixtral_at_ep2_matches_single_process(tmp_path, tmp_path_factory):
     """Experts, router and auxiliary loss: the expert all-to-alls run in I, the expert GEMMs' weight
     gradients in W."""
     par = layout(dp=2, pp=2, expert_parallel_size=2, **ZB)
+    moe.assert_matches(run_training(moe.moe_config(tmp_path, par), 4), moe.reference(tmp_path_factory))
+
+
+def test_zbv_at_pp4_matches_single_process(tmp_path):
+    """Eight layers (zbv at pp4 runs 8 virtual stages), against their own one-process run."""
+    model = {"model_config": {"num_hidden_layers": 8}}
+    one = run_training(tiny_config(tmp_path / "one", model=model))
+    par = layout(pp=4, **ZBV)
+    assert_matches(run_training(tiny_config(tmp_path / "pp4", parallelism=par, model=model), 4), one)
+
+
+def test_zbv_tied_embeddings_on_the_rank_holding_first_and_last_stage(tmp_path, tmp_path_factory):
+    model = {"model_config": {"tie_word_embeddings": True}}
+    run = run_training(tiny_config(tmp_path, parallelism=layout(pp=2, **ZBV), model=model), 2)
+    assert_matches(run, reference(tmp_path_factory, tied=True))
+
+
+def test_zbv_mixtral_at_ep2_matches_single_process(tmp_path, tmp_path_factory):
+    par = layout(dp=2, pp=2, expert_parallel_size=2, **ZBV)
     moe.assert_matches(run_training(moe.moe_config(tmp_path, par), 4), moe.reference(tmp_path_factory))

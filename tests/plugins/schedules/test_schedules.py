@@ -9,17 +9,17 @@ import pytest
 
 from nanocore.commands import pipeline_sim
 from nanocore.config.schema import Config, ModelArgs, ParallelismArgs, TokensArgs
-from nanocore.pipeline_api import Action, ScheduleError
+from nanocore.pipeline_api import Action, ScheduleError, stage_of
 from nanocore.pipeline_sim import render_timeline, simulate
 from nanocore.plugins import PluginSet
 from nanocore_plugins.schedules import plugin as schedules_plugin
 from nanocore_plugins.schedules.afab import AllForwardAllBackwardSchedule
 from nanocore_plugins.schedules.interleaved import InterleavedOneFOneBSchedule
 from nanocore_plugins.schedules.one_f_one_b import OneFOneBSchedule
-from nanocore_plugins.schedules.zero_bubble import ZeroBubbleH1Schedule
+from nanocore_plugins.schedules.zero_bubble import ZeroBubbleH1Schedule, ZeroBubbleVSchedule
 
 AFAB, ONE_F_ONE_B, INTERLEAVED = AllForwardAllBackwardSchedule(), OneFOneBSchedule(), InterleavedOneFOneBSchedule()
-ZB1P = ZeroBubbleH1Schedule()
+ZB1P, ZBV = ZeroBubbleH1Schedule(), ZeroBubbleVSchedule()
 
 LAYOUTS = [  # (schedule, pp, microbatches, virtual stages)
     *[(s, p, m, 1) for s in (AFAB, ONE_F_ONE_B) for p in (1, 2, 4) for m in (1, 3, 4, 8)],
@@ -144,7 +144,7 @@ def test_timeline_picture_shows_forwards_backwards_and_idle_time():
 
 def test_registered_schedules_check_the_config_layout():
     registries = _registries()
-    assert set(registries.pipeline_schedule.names()) == {"afab", "1f1b", "interleaved", "zb1p"}
+    assert set(registries.pipeline_schedule.names()) == {"afab", "1f1b", "interleaved", "zb1p", "zbv"}
 
     def check(engine, pp, m, v):
         return registries.pipeline_schedule.get(engine).extras["check"](_config(pp, m, v, engine), None)
@@ -250,18 +250,21 @@ def test_zb1p_has_a_smaller_bubble_than_1f1b_and_no_more_memory(p, m):
 
 @pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (2, 32), (4, 4), (4, 16), (4, 32), (8, 8)])
 def test_zb1p_reaches_the_papers_bubble_when_f_i_and_w_take_equal_time(p, m):
-    result = simulate(ZB1P, p, m, t_forward=1.0, t_backward=2.0)  # I = W = 1
+    result = simulate(ZB1P, p, m, t_forward=1.0, t_backward=2.0)  # I = W = 1 (the first stage: W = 2)
     assert result.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
     assert result.bubble_fraction == pytest.approx(ZB1P.theoretical_bubble(p, m, 1), abs=1e-12)
 
 
-def test_zb1p_on_two_ranks_lets_w_fill_the_wait_for_the_next_gradient():
-    assert [str(a) for a in ZB1P.actions(2, 0, 4, 1)] == [
-        *["F0", "F1", "I0", "W0", "I1", "F2", "W1", "F3", "I2", "W2", "I3", "W3"]
+def test_zb1p_on_two_ranks_sends_input_gradients_first_and_fills_waits_with_w():
+    assert [str(a) for a in ZB1P.actions(2, 1, 4, 1)] == [
+        *["F0", "I0", "F1", "I1", "W0", "F2", "I2", "W1", "F3", "I3", "W2", "W3"]
     ]
+    # the first stage has no input gradient: its I is empty and its W is the whole backward
     picture = render_timeline(simulate(ZB1P, 2, 2, 1)).splitlines()
-    assert picture[:2] == ["rank 0 |ab.A0B1|", "rank 1 |.aAbB01|"]
+    assert picture[:2] == ["rank 0 |ab.0011|", "rank 1 |.aAbB01|"]
     assert "0-9: weight-gradient half" in picture[2]
+    for m in (4, 8, 32):  # the fewest steps possible: m (F + B) on each rank and one forward of fill
+        assert simulate(ZB1P, 2, m).makespan == 3 * m + 1 < simulate(ONE_F_ONE_B, 2, m).makespan
 
 
 def test_split_backward_times_are_simulated_separately():
@@ -291,3 +294,37 @@ def test_pipeline_sim_command_prints_a_table_of_schedules(monkeypatch, capsys):
     assert rows[("interleaved", "4", "8", "2")] == ["0.1579", "0.1579", "5.5"]
     assert rows[("zb1p", "2", "8", "1")] == ["0.0400", "0.0400", "2"]
     assert rows[("zb1p", "4", "4", "1")] == ["0.2000", "0.2000", "4"]
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (1, 2, 4, 8) for m in (1, 2, 3, 4, 8, 16, 32)])
+def test_zbv_places_two_chunks_per_rank_in_a_v_and_runs_each_half_once(p, m):
+    for rank in range(p):
+        assert [stage_of(ZBV, c, rank, p, 2) for c in (0, 1)] == [rank, 2 * p - 1 - rank]
+        actions = ZBV.actions(p, rank, m, 2)
+        assert sorted(map(str, actions)) == sorted(
+            f"{k}{mb}" + (".1" if c else "") for k in "FIW" for c in (0, 1) for mb in range(m)
+        )
+        for c in (0, 1):
+            for mb in range(m):
+                assert (
+                    actions.index(Action("F", c, mb))
+                    < actions.index(Action("I", c, mb))
+                    < actions.index(Action("W", c, mb))
+                )
+    simulate(ZBV, p, m, 2)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 4, 8) for m in (4, 8, 16, 32) if m >= p])
+def test_zbv_has_the_smallest_bubble_within_1f1bs_memory(p, m):
+    zbv, zb1p, one = simulate(ZBV, p, m, 2), simulate(ZB1P, p, m), simulate(ONE_F_ONE_B, p, m)
+    interleaved = simulate(INTERLEAVED, p, m, 2)
+    assert zbv.bubble_fraction <= zb1p.bubble_fraction < interleaved.bubble_fraction < one.bubble_fraction
+    if p > 2:
+        assert zbv.bubble_fraction < zb1p.bubble_fraction
+    assert max(zbv.peak_in_flight_microbatches) <= max(one.peak_in_flight_microbatches) == p
+
+
+def test_zbv_needs_two_virtual_stages():
+    assert ZBV.check(4, 8, 1)[0].startswith("parallelism.pp_virtual_stages: zbv places exactly 2 chunks per rank")
+    with pytest.raises(ScheduleError, match="pp_virtual_stages: 2"):
+        ZBV.actions(4, 0, 8, 3)

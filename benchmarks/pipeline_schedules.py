@@ -1,0 +1,216 @@
+"""Pipeline schedules side by side: tokens/s, each against the simulator's prediction from its own
+measured forward/backward times, and activation memory per rank against the simulator's count.
+
+Each schedule runs nanocore's trainer on pp gloo processes (dp = tp = 1), float32, random tokens,
+the same model and global batch (`--microbatches` micro-batches of one sequence each). Rounds
+alternate the schedules (the order rotates every round) and each figure is the median over rounds,
+so machine noise hits every schedule alike.
+
+Prediction: during the timed steps the executor records how long each action computed (its waits
+for messages left out: `ActionTimes`). Per rank, the step's F, B, I and W seconds over the
+micro-batches give the times `nanocore.pipeline_sim.simulate` needs; its makespan plus what the step
+spends outside the pipeline (optimizer, gradient norm, the rest, measured) is the predicted step
+time. measured/predicted tokens/s below 1 is time the simulator does not see (messages,
+contention for the cores).
+
+Memory: each rank's activation peak in a step (VmHWM above what was resident before it, as in
+`context_parallel_memory.py`). The simulator counts peak in-flight micro-batches per rank; 1F1B's
+measured peak over its count gives each rank's memory per in-flight micro-batch, and every other
+schedule is predicted as that times its own count.
+
+    python benchmarks/pipeline_schedules.py                          # pp2: ~3 minutes on 2 CPU cores
+    python benchmarks/pipeline_schedules.py --pp 2,4 --json pp.json  # and pp4 (4 processes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _ranks import CLEAR_REFS, init_rank, kb, llama_config, run_ranks, trainer_for
+
+VIRTUAL = {"interleaved": 2, "zbv": 2}  # chunks per rank of the multi-chunk schedules
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pp", default="2", help="pipeline sizes (comma-separated); pp processes each")
+    p.add_argument(
+        "--schedules", default="1f1b,interleaved,zb1p,zbv", help="pp_engine values (1f1b first: it calibrates memory)"
+    )
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (the global batch)")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8, help="query heads (key/value heads = heads / 2)")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run (after 1 warm-up)")
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds; figures are medians over them")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return p.parse_args(argv)
+
+
+def config(args: argparse.Namespace, pp: int, schedule: str, tmp: Path) -> dict[str, Any]:
+    parallelism = {"dp": 1, "tp": 1, "pp": pp, "pp_engine": schedule, "pp_virtual_stages": VIRTUAL.get(schedule, 1)}
+    return llama_config(args, tmp, f"pp{pp}_{schedule}", parallelism, {}, accumulation=args.microbatches)
+
+
+def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> None:
+    from nanocore_plugins.parallel.pipeline_parallel import ActionTimes
+
+    trainer = trainer_for(*init_rank(rank, world, raw, store))
+    executor = trainer.engine.executor
+    losses: list[float] = []
+    pipeline_s: list[float] = []
+    run = executor.run
+
+    def timed_run(*a, **k):
+        start = time.perf_counter()
+        try:
+            return run(*a, **k)
+        finally:
+            pipeline_s.append(time.perf_counter() - start)
+
+    executor.run = timed_run
+    step_s, activation_kb, per_step_kind = [], [], []
+    try:
+        for step in range(steps + 1):
+            executor.times = ActionTimes() if step > 0 else None
+            CLEAR_REFS.write_text("5")
+            base = kb("VmRSS")
+            start = time.perf_counter()
+            trainer._train_one_step(losses, 1)  # what Trainer.train runs per step
+            elapsed = time.perf_counter() - start
+            if step > 0:  # the first step also allocates the optimizer state
+                step_s.append(elapsed)
+                activation_kb.append(kb("VmHWM") - base)
+                per_step_kind.append({k: sum(v) for k, v in executor.times.seconds.items()})
+    finally:
+        executor.run = run
+        executor = run = None  # they hold the pipeline's process groups, which close() destroys
+        trainer.close()
+    kinds = {k: statistics.median(d.get(k, 0.0) for d in per_step_kind) for k in ("F", "B", "I", "W")}
+    results.put(
+        (
+            rank,
+            {
+                "step_s": statistics.median(step_s),
+                "pipeline_s": statistics.median(pipeline_s[1:]),
+                "action_s": kinds,
+                "activation_kib": statistics.median(activation_kb),
+                "losses": losses,
+            },
+        )
+    )
+
+
+def predict(schedule_name: str, pp: int, m: int, got: list[dict]) -> tuple[float, list[float]]:
+    """Predicted pipeline seconds (the simulator's makespan from each rank's measured action times)
+    and peak in-flight micro-batches per rank."""
+    from nanocore.pipeline_sim import simulate
+    from nanocore.plugins import load_plugins
+
+    v = VIRTUAL.get(schedule_name, 1)
+    schedule = load_plugins().registries.pipeline_schedule.get(schedule_name).factory(None)
+    per = {k: [g["action_s"][k] / m for g in got] for k in ("F", "B", "I", "W")}
+    split = per["I"][0] > 0
+    backward = [i + w for i, w in zip(per["I"], per["W"], strict=True)] if split else per["B"]
+    result = simulate(
+        schedule,
+        pp,
+        m,
+        v,
+        t_forward=per["F"],
+        t_backward=backward,
+        t_input=per["I"] if split else None,
+        t_weight=per["W"] if split else None,
+    )
+    return result.makespan, list(result.peak_in_flight_microbatches)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    pps = [int(x) for x in args.pp.split(",")]
+    names = args.schedules.split(",")
+    runs: dict[tuple[int, str], list[dict]] = {}
+    for round_ in range(args.rounds):
+        for pp in pps:
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            for name in order:
+                print(f"round {round_ + 1}/{args.rounds}: pp{pp} {name} ...", flush=True)
+                got = run_ranks(_rank, pp, lambda tmp, pp=pp, name=name: config(args, pp, name, tmp), args.steps, name)
+                runs.setdefault((pp, name), []).append(got)
+    rows = []
+    tokens = args.microbatches * args.seq
+    for pp in pps:
+        per_mb_kib: list[float] | None = None
+        for name in names:
+            rounds = runs[(pp, name)]
+            measured = statistics.median(r[0]["step_s"] for r in rounds)
+            predicted_steps, peaks = [], []
+            for got in rounds:
+                makespan, peaks = predict(name, pp, args.microbatches, got)
+                outside = statistics.median(g["step_s"] - g["pipeline_s"] for g in got)
+                predicted_steps.append(makespan + outside)
+            predicted = statistics.median(predicted_steps)
+            activation = [statistics.median(r[rank]["activation_kib"] for r in rounds) for rank in range(pp)]
+            if per_mb_kib is None:  # the first schedule (1f1b) calibrates memory per in-flight micro-batch
+                per_mb_kib = [a / p for a, p in zip(activation, peaks, strict=True)]
+            memory_ratio = [a / (k * p) for a, k, p in zip(activation, per_mb_kib, peaks, strict=True)]
+            action = [
+                {k: statistics.median(r[rank]["action_s"][k] for r in rounds) / args.microbatches for k in "FBIW"}
+                for rank in range(pp)
+            ]
+            rows.append(
+                {
+                    "pp": pp,
+                    "schedule": name,
+                    "virtual_stages": VIRTUAL.get(name, 1),
+                    "tokens_per_second": tokens / measured,
+                    "predicted_tokens_per_second": tokens / predicted,
+                    "measured_over_predicted": predicted / measured,
+                    "step_seconds": measured,
+                    "seconds_per_microbatch_each_rank": action,
+                    "activation_mib_each_rank": [a / 1024 for a in activation],
+                    "peak_in_flight_microbatches": peaks,
+                    "memory_measured_over_predicted": memory_ratio,
+                    "losses": rounds[0][0]["losses"],  # every rank reports the step loss
+                }
+            )
+    if args.json:  # before printing: a long run's figures are never lost to a formatting slip
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
+    print(
+        f"\nLLaMA hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, sequence "
+        f"{args.seq}, {args.microbatches} micro-batches of 1, float32, 1 thread per rank, {args.rounds} rounds"
+    )
+    print(
+        f"{'pp':>3} {'schedule':>12} {'tokens/s':>9} {'predicted':>9} {'meas/pred':>9} {'vs first':>8} "
+        f"{'F/B or F/I/W ms per micro-batch, each rank':>44} {'act MiB per rank':>18} {'mem meas/pred':>14}"
+    )
+    for row in rows:
+        first = next(r for r in rows if r["pp"] == row["pp"])
+        times = " ".join(
+            f"{a['F'] * 1e3:.0f}/{a['I'] * 1e3:.0f}/{a['W'] * 1e3:.0f}"
+            if a["I"] or a["W"]
+            else f"{a['F'] * 1e3:.0f}/{a['B'] * 1e3:.0f}"
+            for a in row["seconds_per_microbatch_each_rank"]
+        )
+        act = "/".join(f"{x:.0f}" for x in row["activation_mib_each_rank"])
+        mem = "/".join(f"{x:.2f}" for x in row["memory_measured_over_predicted"])
+        print(
+            f"{row['pp']:>3} {row['schedule']:>12} {row['tokens_per_second']:>9.0f} "
+            f"{row['predicted_tokens_per_second']:>9.0f} {row['measured_over_predicted']:>9.3f} "
+            f"{row['tokens_per_second'] / first['tokens_per_second']:>8.3f} {times:>44} {act:>18} {mem:>14}"
+        )
+    last = [r["losses"][0] for r in rows]
+    print(f"step-1 loss of each row (the same computation): {', '.join(f'{x:.6f}' for x in last)}")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

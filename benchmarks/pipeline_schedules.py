@@ -161,7 +161,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             activation = [statistics.median(r[rank]["activation_kib"] for r in rounds) for rank in range(pp)]
             if per_mb_kib is None:  # the first schedule (1f1b) calibrates memory per in-flight micro-batch
                 per_mb_kib = [a / p for a, p in zip(activation, peaks, strict=True)]
-            memory_ratio = [a / (k * p) for a, k, p in zip(activation, per_mb_kib, peaks, strict=True)]
+            # a tiny model's step can stay within memory already resident: 0 KiB measured, no ratio
+            memory_ratio = [
+                a / (k * p) if k * p > 0 else None for a, k, p in zip(activation, per_mb_kib, peaks, strict=True)
+            ]
             action = [
                 {k: statistics.median(r[rank]["action_s"][k] for r in rounds) / args.microbatches for k in "FBIW"}
                 for rank in range(pp)
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             for a in row["seconds_per_microbatch_each_rank"]
         )
         act = "/".join(f"{x:.0f}" for x in row["activation_mib_each_rank"])
-        mem = "/".join(f"{x:.2f}" for x in row["memory_measured_over_predicted"])
+        mem = "/".join("-" if x is None else f"{x:.2f}" for x in row["memory_measured_over_predicted"])
         print(
             f"{row['pp']:>3} {row['schedule']:>12} {row['tokens_per_second']:>9.0f} "
             f"{row['predicted_tokens_per_second']:>9.0f} {row['measured_over_predicted']:>9.3f} "

@@ -162,7 +162,10 @@ class CausalLM(Protocol):
         sequence even under sequence parallelism: MLA's latent projections and their norms);
         `dense_mlp_sharded` (the MLP's part of `layer_sharded`) with `moe_mlp` (what a sparse MLP keeps,
         per token it gets, at balanced routing: TP does not split experts) and `moe_mlp_sharded` (its
-        TP-split part: shared experts) for the layers listed in `moe_layers`."""
+        TP-split part: shared experts) for the layers listed in `moe_layers`; `attention_query` and
+        `attention_key_value` (one layer's query and key + value elements: context parallelism's
+        buffers, which depend on `context_parallel_mode`) with `attention_kv_heads` (a count, not per
+        token: all_to_all repeats key/value heads fewer than cp)."""
         ...
 
 

@@ -236,6 +236,9 @@ class DecoderLM(TiedWeightsMixin, nn.Module):
             "dense_mlp_sharded": mlp,
             "head_norm": 2 * h,
             "head_logits": self.vocab_size,
+            "attention_query": c.num_attention_heads * c.head_size,
+            "attention_key_value": 2 * c.kv_heads * c.head_size,
+            "attention_kv_heads": c.kv_heads,
         }
 
     def flops_per_token(self, sequence_length: int) -> float:

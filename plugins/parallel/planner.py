@@ -21,7 +21,14 @@ chunks, the way the engine builds it. Then, in bytes:
   selective drops the attention core's outputs. Plus the backward's working set: the loss's float32
   softmax over the logits and one decoder layer's activations; on a stage without the loss,
   autograd's fresh gradient of its largest parameter (the embedding's, before it is added to the
-  gradient buffer);
+  gradient buffer); under context parallelism (where the model declares `attention_query` and
+  `attention_key_value`, per token and TP rank) one attention layer's exchange buffers: the ring
+  holds the key/value block arriving while one is computed and, in backward, the key/value gradients
+  travelling with them (3 x k + v per local token); all_to_all holds the whole-sequence queries,
+  keys and values of heads / cp (as many elements as the local ones; key/value heads fewer than cp
+  are repeated, `r` = cp / gcd(kv heads, cp) times) and the output, sent and received
+  (2 x (q + r (k + v) + q)), and keeps the repeated keys and values for backward in each layer
+  ((r - 1) (k + v) more per layer);
 - comm: ZeRO-1/2's exchange of updated rows (this rank's rows and everyone's, one piece of about
   `exchange_buffer_bytes` at a time, at the optimizer step) and ZeRO-2's staging during backward:
   one bucket reducing and one filling (a parameter larger than `ddp_bucket_cap_mb` is a bucket of
@@ -154,6 +161,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
                     orders[pp_rank],
                     mb_tokens,
                     dtype_bytes,
+                    cp,
                 )
             # ZeRO-2: two buckets of staging (one reducing, one filling; a parameter larger than a bucket is
             # a bucket of its own) and the reduced share of one. They fill as backward frees activations,
@@ -246,6 +254,7 @@ def _activations(
     actions: list[Action],
     mb_tokens: float,
     dtype_bytes: int,
+    cp: int = 1,
 ) -> tuple[float, float]:
     """Bytes of activations this rank holds at its peak (see the module docstring), and of those the
     loss's working set, which exists only at the start of backward."""
@@ -258,7 +267,8 @@ def _activations(
     sharded = declared["layer_sharded"] / tp
     if par.recompute == "selective":
         sharded -= declared["layer_attention_core_outputs"] / tp
-    layer = norms + gathered + sharded + declared.get("layer_replicated", 0.0)
+    held_cp, working_cp = context_parallel_buffers(declared, par.context_parallel_mode, cp, tp)
+    layer = norms + gathered + sharded + declared.get("layer_replicated", 0.0) + held_cp
     # a sparse layer: the dense MLP's share replaced by the sparse block's (its tokens: this rank's sequence)
     sparse_layer = (
         layer
@@ -295,9 +305,24 @@ def _activations(
         held += {"F": 1, "B": -1, "W": -1}.get(action.kind, 0) * per_chunk[action.chunk]
         peak = max(peak, held)
     held = peak
-    working = max(layer, sparse_layer if moe_layers else 0.0)  # backward of one layer: its activations, their gradients
+    # backward of one layer: its activations, their gradients; and the context-parallel exchange's buffers
+    working = max(layer, sparse_layer if moe_layers else 0.0) + working_cp
     loss = 2 * logits * 4 / dtype_bytes if is_last else 0.0  # the float32 softmax of the logits and its gradient
     return (held + working + loss) * mb_tokens * dtype_bytes, loss * mb_tokens * dtype_bytes
+
+
+def context_parallel_buffers(declared: dict[str, float], mode: str, cp: int, tp: int) -> tuple[float, float]:
+    """Per local token: what context parallelism adds to what each attention layer keeps for backward,
+    and to one layer's working set while it runs (see the module docstring)."""
+    q, kv = declared.get("attention_query"), declared.get("attention_key_value")
+    if cp <= 1 or q is None or kv is None:
+        return 0.0, 0.0
+    q, kv = q / tp, kv / tp
+    if mode != "all_to_all":
+        return 0.0, 3 * kv
+    kv_heads = max(1, round(declared.get("attention_kv_heads", 0) / tp))  # per TP rank (replicated below 1)
+    repeat = cp // math.gcd(kv_heads, cp)
+    return (repeat - 1) * kv, 2 * (q + repeat * kv + q)
 
 
 def _global_rank(pp_rank: int, tp_rank: int, tp: int, cp: int, pp: int) -> int:

@@ -6,8 +6,15 @@ with --timeline, the picture of who computes when. With --table, comma-separated
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from nanocore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nanocore.config.schema import Config
+    from nanocore.pipeline_api import PipelineSchedule
+    from nanocore.pipeline_sim import SimResult
+    from nanocore.registry import Entry
 
 HELP = "Simulate a pipeline schedule: bubble fraction, peak in-flight activations, timeline"
 
@@ -38,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_pipeline_sim(args: argparse.Namespace) -> int:
-    from nanocore.pipeline_sim import render_timeline, simulate
+    from nanocore.pipeline_sim import render_timeline
     from nanocore.plugins import load_plugins
 
     pps, ms = _numbers(args.pp, "--pp"), _numbers(args.microbatches, "--microbatches")
@@ -50,15 +57,14 @@ def cmd_pipeline_sim(args: argparse.Namespace) -> int:
         )
     registry = load_plugins().registries.pipeline_schedule
     entries = [registry.get(e, path="--engine") for e in engines]
-    times = dict(t_forward=args.t_forward, t_backward=args.t_backward, t_input=args.t_input, t_weight=args.t_weight)
     if args.table or len(entries) > 1 or len(pps) > 1 or len(ms) > 1:
-        return _table(entries, pps, ms, v, times)
+        return _table(entries, pps, ms, v, args)
     entry, p, m = entries[0], pps[0], ms[0]
     problems = _problems(entry, p, m, v)
     if problems:
         raise ConfigError(problems)
     schedule = entry.factory(_config(entry.name, p, m, v))
-    result = simulate(schedule, p, m, v, **times)
+    result = _simulate(schedule, p, m, v, args)
 
     print(f"schedule {entry.name}: pp={p} microbatches={m} virtual_stages={v}")
     ideal = m * (args.t_forward + args.t_backward)
@@ -86,7 +92,7 @@ def _numbers(text: str, flag: str) -> list[int]:
         raise ConfigError(f"{flag}: expected a number or comma-separated numbers, got {text!r}") from None
 
 
-def _config(engine: str, p: int, m: int, v: int):
+def _config(engine: str, p: int, m: int, v: int) -> Config:
     from nanocore.config.schema import Config, ModelArgs, ParallelismArgs, TokensArgs
 
     return Config(
@@ -96,14 +102,27 @@ def _config(engine: str, p: int, m: int, v: int):
     )
 
 
-def _problems(entry, p: int, m: int, v: int) -> list[str]:
+def _problems(entry: Entry, p: int, m: int, v: int) -> list[str]:
     return entry.extras["check"](_config(entry.name, p, m, v), None) if "check" in entry.extras else []
 
 
-def _table(entries: list, pps: list[int], ms: list[int], v: int, times: dict) -> int:
-    """One row per schedule x pp x microbatches: bubble, the schedule's formula, peak in-flight."""
+def _simulate(schedule: PipelineSchedule, p: int, m: int, v: int, args: argparse.Namespace) -> SimResult:
     from nanocore.pipeline_sim import simulate
 
+    return simulate(
+        schedule,
+        p,
+        m,
+        v,
+        t_forward=args.t_forward,
+        t_backward=args.t_backward,
+        t_input=args.t_input,
+        t_weight=args.t_weight,
+    )
+
+
+def _table(entries: list[Entry], pps: list[int], ms: list[int], v: int, args: argparse.Namespace) -> int:
+    """One row per schedule x pp x microbatches: bubble, the schedule's formula, peak in-flight."""
     peak_title = "peak in-flight (microbatches)"
     print(f"{'schedule':<12} {'pp':>3} {'m':>4} {'v':>2} {'bubble':>8} {'theory':>8} {peak_title:>30}")
     for entry in entries:
@@ -117,7 +136,7 @@ def _table(entries: list, pps: list[int], ms: list[int], v: int, times: dict) ->
                     print(f"{entry.name:<12} {p:>3} {m:>4} {chunks:>2} {'-':>8} {'-':>8}   n/a: {problems[0]}")
                     continue
                 schedule = entry.factory(_config(entry.name, p, m, chunks))
-                result = simulate(schedule, p, m, chunks, **times)
+                result = _simulate(schedule, p, m, chunks, args)
                 theory = getattr(schedule, "theoretical_bubble", None)
                 value = theory(p, m, chunks) if theory is not None else None
                 shown = f"{value:.4f}" if value is not None else "-"

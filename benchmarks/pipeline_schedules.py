@@ -25,6 +25,7 @@ schedule is predicted as that times its own count.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -109,14 +110,20 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
     )
 
 
+@functools.cache
+def _schedules():
+    from nanocore.plugins import load_plugins
+
+    return load_plugins().registries.pipeline_schedule
+
+
 def predict(schedule_name: str, pp: int, m: int, got: list[dict]) -> tuple[float, list[float]]:
     """Predicted pipeline seconds (the simulator's makespan from each rank's measured action times)
     and peak in-flight micro-batches per rank."""
     from nanocore.pipeline_sim import simulate
-    from nanocore.plugins import load_plugins
 
     v = VIRTUAL.get(schedule_name, 1)
-    schedule = load_plugins().registries.pipeline_schedule.get(schedule_name).factory(None)
+    schedule = _schedules().get(schedule_name).factory(None)
     per = {k: [g["action_s"][k] / m for g in got] for k in ("F", "B", "I", "W")}
     split = per["I"][0] > 0
     backward = [i + w for i, w in zip(per["I"], per["W"], strict=True)] if split else per["B"]

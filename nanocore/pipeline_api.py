@@ -36,6 +36,12 @@ class Action:
         return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
+def splits_backward(actions: list[Action]) -> bool:
+    """Whether these actions split backwards into I and W (the engine then keeps recomputed tensors
+    and compiled graphs for both halves)."""
+    return any(a.kind in ("I", "W") for a in actions)
+
+
 def stage_of(schedule: object, chunk: int, rank: int, pp_size: int, num_chunks: int) -> int:
     """The virtual stage that chunk `chunk` of pipeline rank `rank` runs: the schedule's own placement
     (an optional `stage_of(chunk, rank, pp_size, num_chunks)` method), else Megatron's loop."""

@@ -55,6 +55,7 @@ _KIND_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "wei
 
 
 def describe(action: Action, pp_size: int, rank: int, stage: int | None = None) -> str:
+    """An action in words, with the virtual stage it runs (`stage`; default: Megatron's loop)."""
     stage = action.chunk * pp_size + rank if stage is None else stage
     kind = _KIND_NAMES.get(action.kind, action.kind)
     return f"{action} ({kind} of chunk {action.chunk} = virtual stage {stage}, microbatch {action.microbatch})"
@@ -69,11 +70,21 @@ def _action_lists(schedule: Any, pp_size: int, num_microbatches: int, num_chunks
     return lists
 
 
-def validate(lists: Sequence[Sequence[Action]], num_microbatches: int, num_chunks: int) -> None:
+def validate(
+    lists: Sequence[Sequence[Action]],
+    num_microbatches: int,
+    num_chunks: int,
+    stage_at: dict[tuple[int, int], int] | None = None,
+) -> None:
     """Each rank must run F and a backward of every (chunk, microbatch) exactly once: B, or I and then W
     (a weight gradient needs what its input-gradient half kept). A backward listed before its own
-    forward is a deadlock, which `simulate` reports."""
+    forward is a deadlock, which `simulate` reports. `stage_at[(rank, chunk)]` numbers the stages in
+    messages (default: Megatron's loop)."""
     pp_size = len(lists)
+
+    def say(a: Action, rank: int) -> str:
+        return describe(a, pp_size, rank, None if stage_at is None else stage_at[(rank, a.chunk)])
+
     for rank, actions in enumerate(lists):
         seen: set[tuple[str, int, int]] = set()
         for i, a in enumerate(actions):
@@ -88,10 +99,10 @@ def validate(lists: Sequence[Sequence[Action]], num_microbatches: int, num_chunk
                 )
             key = (a.kind, a.chunk, a.microbatch)
             if key in seen:
-                raise ScheduleError(f"rank {rank} runs {describe(a, pp_size, rank)} twice (again at action #{i})")
+                raise ScheduleError(f"rank {rank} runs {say(a, rank)} twice (again at action #{i})")
             if a.kind == "W" and ("I", a.chunk, a.microbatch) not in seen:
                 raise ScheduleError(
-                    f"rank {rank}, action #{i}: {describe(a, pp_size, rank)} would use a weight gradient before it "
+                    f"rank {rank}, action #{i}: {say(a, rank)} would use a weight gradient before it "
                     f"exists: {Action('I', a.chunk, a.microbatch)} must run first"
                 )
             if (
@@ -100,7 +111,7 @@ def validate(lists: Sequence[Sequence[Action]], num_microbatches: int, num_chunk
                 or (a.kind in ("I", "W") and ("B", a.chunk, a.microbatch) in seen)
             ):
                 raise ScheduleError(
-                    f"rank {rank}, action #{i}: {describe(a, pp_size, rank)}: a backward runs either whole (B) or "
+                    f"rank {rank}, action #{i}: {say(a, rank)}: a backward runs either whole (B) or "
                     f"split (I then W), not both"
                 )
             seen.add(key)
@@ -116,7 +127,7 @@ def validate(lists: Sequence[Sequence[Action]], num_microbatches: int, num_chunk
                 elif ("I", c, m) not in seen:
                     missing.append(Action("B", c, m))
         if missing:
-            shown = ", ".join(describe(a, pp_size, rank) for a in missing[:3])
+            shown = ", ".join(say(a, rank) for a in missing[:3])
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ScheduleError(f"rank {rank} never runs {shown}{more}")
 
@@ -145,7 +156,7 @@ def simulate(
     lists = _action_lists(schedule_or_action_lists, pp_size, num_microbatches, num_chunks)
     owners = stage_owners(schedule_or_action_lists if placement is None else placement, pp_size, num_chunks)
     stage_at = {(rank, chunk): stage for stage, (rank, chunk) in enumerate(owners)}
-    validate(lists, num_microbatches, num_chunks)
+    validate(lists, num_microbatches, num_chunks, stage_at)
     m, last_stage = num_microbatches, pp_size * num_chunks - 1
     backward = _per_rank(t_backward, pp_size, "t_backward")
     times = {

@@ -34,6 +34,7 @@ from nanocore.errors import PluginError
 from nanocore.float8_api import Float8Recipe
 from nanocore.model_api import is_hidden_matrix
 from nanocore.moe_api import MoELayer
+from nanocore.pipeline_api import splits_backward
 from nanocore.registry import Entry, Registries
 from nanocore.sharding import get_placement
 from nanocore.tp_api import TPMode
@@ -147,7 +148,7 @@ class ParallelEngine:
         )
         self.model, self.true_vocab_size = local.module, local.true_vocab_size
         m, v = self.config.tokens.batch_accumulation_per_replica, par.pp_virtual_stages
-        split = any(a.kind in ("I", "W") for a in self.schedule.actions(grid.pp, grid.pp_rank, m, v))
+        split = splits_backward(self.schedule.actions(grid.pp, grid.pp_rank, m, v))
         if par.recompute == "selective":  # a schedule that splits backwards recomputes once for I and W
             recompute_selected(self.model, kept=split)
         self._setup_sequence()

@@ -182,14 +182,6 @@ class ProcessGrid:
         """Global rank of pipeline stage `pp_rank` in this rank's pipeline."""
         return self.pp_group_ranks[pp_rank]
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
     def loss_on_every_rank(self, local_sum: torch.Tensor) -> float:
         """The loss the last stage (tp rank 0) computed, averaged over DP x CP (each cp rank's is the
         mean over its equal share of the tokens), on every rank. Only the rank holding the last

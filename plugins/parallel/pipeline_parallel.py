@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from nanocore.pipeline_api import Action, PipelineSchedule, stage_owners
+from nanocore.pipeline_api import Action, PipelineSchedule, splits_backward, stage_owners
 
 from .build import LocalModel
 from .context_parallel import ContextParallel
@@ -137,6 +137,8 @@ class PipelineExecutor:
         self._actions: dict[int, list[Action]] = {}
         self.split = False  # this step's schedule splits backwards (I and W): recompute must keep its tensors
         self.times: ActionTimes | None = None  # set to measure each action's compute time
+        # every trainable parameter each chunk uses (W's targets); unlike `build.chunk_parameters`, a
+        # parameter two chunks share (ZBV's tied embedding and head on rank 0) is listed in both
         self.chunk_weights = [
             list(
                 {
@@ -205,7 +207,7 @@ class PipelineExecutor:
         actions = self.actions(m_count)
         if not train:
             actions = [Action("F", c, m) for m in range(m_count) for c in range(len(self.local.chunks))]
-        self.split = any(a.kind in ("I", "W") for a in actions)
+        self.split = splits_backward(actions)
         for i, a in enumerate(actions):
             if a.kind in ("B", "W"):  # what produces weight gradients
                 step.last_backward[a.chunk] = i

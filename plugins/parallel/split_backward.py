@@ -19,7 +19,7 @@ the weight gradients when the rank would otherwise wait. Nothing in the model ha
 - A stage without an input gradient (the first) has nothing for I: W is its whole backward.
 
 Activations stay alive from F until W. Whole-block recompute must then recompute once for both
-halves (torch's checkpoint recomputes per backward call): see `recompute.KeptRecompute`.
+halves (torch's checkpoint recomputes per backward call): see `recompute.recompute_kept`.
 """
 
 from __future__ import annotations

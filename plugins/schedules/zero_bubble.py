@@ -2,15 +2,15 @@
 two, the input gradient (I, which the previous stage waits for) and the weight gradient (W, which
 nobody waits for), so that W fills the time 1F1B spends waiting.
 
-The action lists come from a greedy run of the pipeline on paper with unit times (F = I = W = 1):
-at every time step rank r runs, by priority, the oldest input gradient whose output gradient has
-arrived (the critical path); else the next forward if its input has arrived and it holds fewer than
-p - r microbatches (1F1B's rhythm); else a weight gradient, keeping r of them in reserve for the
-waits of the cooldown; else a forward up to p microbatches held (1F1B's peak, on rank 0); else any
-pending W. A list that ran once without waiting on anything it does not receive cannot deadlock,
-whatever the real times; with F, I and W of equal length it reaches the paper's bubble
-(p-1)/(3m+p-1). It assumes those equal times: with I 30 % longer than W the same lists lose
-their gain at pp=2 and large m (measured on paper: `nanocore pipeline-sim --t-input/--t-weight`).
+ZBV (same paper's V schedule) places two chunks per rank in a V and splits backwards the same way.
+
+Both schedules' action lists come from `greedy_lists`: the pipeline run on paper, each rank picking
+its next action whenever it is free (input gradients first, forwards within its memory, weight
+gradients to fill the waits; `_Rules` says how much memory and how many W kept in reserve), with
+F = I = W = 1 except on the first stage, whose I is empty and whose W is its whole backward. A list
+that ran once without waiting on anything it does not receive cannot deadlock, whatever the real
+times; zb1p reaches the paper's bubble (p-1)/(3m+p-1) at pp 2 and 4. The lists assume those
+times: with I 30 % longer than W the gain shrinks (`nanocore pipeline-sim --t-input/--t-weight`).
 """
 
 from __future__ import annotations

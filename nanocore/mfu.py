@@ -1,10 +1,19 @@
 """Model FLOPs utilisation: achieved training FLOP/s divided by the device's peak.
 
-On NVIDIA GPUs the peak comes from a table of dense (no 2:4 sparsity) tensor-core numbers from the
-vendors' datasheets, looked up by `torch.cuda.get_device_name`. On CPU there is no honest datasheet
-number, so the "peak" is what a few float32 matmuls achieve in this process (`cpu_matmul_probe`):
-CPU MFU says how close the training step gets to plain matmul speed, not to the silicon's limit.
-Set NANOCORE_MFU_PROBE=0 to skip the probe (MFU is then unknown on CPU).
+The peak in force, in order (`mfu_peak`; the start-of-run summary names the one it uses):
+1. `general.hardware`: a shipped hardware description (`a100-80gb`, `h100-sxm`, `h200`) or a file
+   `nanocore calibrate` wrote; its `peak_flops` for the training dtype.
+2. On NVIDIA GPUs, a table of dense (no 2:4 sparsity) tensor-core numbers from the vendors'
+   datasheets, looked up by `torch.cuda.get_device_name`.
+3. On CPU, a probe (`cpu_matmul_probe`): a float32 matmul on one thread timed by that thread's CPU
+   time, not the wall clock, times the threads training uses. Another job on the machine takes wall
+   time from the probe, not CPU time, so a busy machine at start-up no longer makes the peak too low
+   (a wall-clock probe taken while another job ran once gave the tiny example `mfu 229.1%`). CPU MFU
+   says how close the training step gets to plain matmul speed on the threads it has, not to the
+   silicon's limit. NANOCORE_MFU_PROBE=0 skips the probe (MFU is then unknown on CPU).
+
+MFU is never above 1: the trainer measures a beaten CPU probe again, and reports no MFU against a
+peak the step still beats (with a warning naming it).
 """
 
 from __future__ import annotations
@@ -13,7 +22,10 @@ import functools
 import os
 import time
 
+import attrs
 import torch
+
+from nanocore.hardware import Hardware
 
 ENV_PROBE = "NANOCORE_MFU_PROBE"
 
@@ -63,33 +75,85 @@ def _tf32_matmuls() -> bool:
 
 @functools.cache
 def _probe(size: int, repeats: int) -> float:
-    a = torch.randn(size, size, dtype=torch.float32)
-    b = torch.randn(size, size, dtype=torch.float32)
-    torch.mm(a, b)  # warm-up: first call allocates and picks a kernel
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
+    """Float32 FLOP/s of one thread, by that thread's CPU time (best of `repeats`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the matmul runs on this thread: its CPU time is the matmul's
+    try:
+        a = torch.randn(size, size, dtype=torch.float32)
+        b = torch.randn(size, size, dtype=torch.float32)
+        torch.mm(a, b)  # warm-up: first call allocates and picks a kernel
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.thread_time()
+            torch.mm(a, b)
+            best = min(best, time.thread_time() - start)
+    finally:
+        torch.set_num_threads(threads)
     return 2 * size**3 / max(best, 1e-9)
 
 
-def cpu_matmul_probe(size: int = 1024, repeats: int = 5) -> float | None:
-    """Achieved float32 FLOP/s of a `size`x`size` matmul on this CPU (best of `repeats`), cached per process.
-
-    Uses the current `torch.get_num_threads()`, i.e. what training gets. About 0.1-0.3 s the first time.
-    Returns None when NANOCORE_MFU_PROBE=0.
+def cpu_matmul_probe(size: int = 512, repeats: int = 7) -> float | None:
+    """Float32 matmul FLOP/s this process can reach on this CPU: one thread's rate (a `size` x `size`
+    matmul timed by the thread's CPU time, best of `repeats`, measured once per process) times
+    `torch.get_num_threads()`, the threads training uses. About 0.1 s. None when NANOCORE_MFU_PROBE=0.
     """
     if os.environ.get(ENV_PROBE, "1").strip() == "0":
         return None
-    return _probe(size, repeats)
+    return _probe(size, repeats) * torch.get_num_threads()
+
+
+def remeasure_cpu_probe() -> float | None:
+    """`cpu_matmul_probe` measured again (the trainer asks when a step beat the first measurement)."""
+    _probe.cache_clear()
+    return cpu_matmul_probe()
+
+
+@attrs.frozen
+class Peak:
+    """The peak MFU divides by: FLOP/s per device, and where it comes from (the summary prints it)."""
+
+    flops: float
+    source: str
+
+
+def _dtype_name(dtype: torch.dtype, device: torch.device) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if dtype == torch.float32 and device.type == "cuda" and _tf32_matmuls():
+        return "tf32"
+    return name
+
+
+def mfu_peak(device: torch.device, dtype: torch.dtype, hardware: Hardware | None = None) -> Peak | None:
+    """The peak in force for training in `dtype` on `device` (see the module docstring), or None."""
+    device = torch.device(device)
+    if hardware is not None:
+        key = _dtype_name(dtype, device)
+        if key not in hardware.peak_flops and key == "tf32":
+            key = "float32"
+        if key in hardware.peak_flops:
+            return Peak(hardware.peak_flops[key], f"{hardware.name} {key} (hardware description)")
+        return None
+    if device.type == "cuda":
+        peak = peak_flops_per_device(device, dtype)
+        if peak is None:
+            return None
+        name = torch.cuda.get_device_name(device)
+        return Peak(peak, f"{name} {_dtype_name(dtype, device)} (datasheet table)")
+    if device.type == "cpu":
+        peak = cpu_matmul_probe()
+        if peak is None:
+            return None
+        threads = torch.get_num_threads()
+        return Peak(peak, f"CPU float32 matmul probe ({threads} thread{'s' if threads > 1 else ''}, CPU time)")
+    return None
 
 
 def peak_flops_per_device(device: torch.device, dtype: torch.dtype) -> float | None:
     """Peak FLOP/s of one `device` for training in `dtype`, or None when unknown.
 
     CUDA: the datasheet table (float32 counts as TF32 when torch allows TF32 matmuls).
-    CPU: the float32 matmul probe, whatever `dtype` (see the module docstring).
+    CPU: the float32 matmul probe, whatever `dtype` (see the module docstring). `mfu_peak` also
+    takes the hardware description in force and says where its figure comes from.
     """
     device = torch.device(device)
     if device.type == "cuda":

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from nanocore.config.schema import Config
     from nanocore.data.schedule import DataSchedule
     from nanocore.engine_api import Engine, MemoryEstimate
+    from nanocore.mfu import Peak
     from nanocore.plugins import PluginInfo
     from nanocore.registry import Registries
     from nanocore.run_folders import RunFolders
@@ -45,6 +46,7 @@ class RunFacts:
     overrides: list[str]  # command-line key.path=value, as given
     step: int  # the step the run starts after (0, or the resumed checkpoint's)
     tokens_per_step: int
+    peak: Peak | None = None  # what MFU is measured against (nanocore.mfu.mfu_peak)
 
 
 def _count(n: float) -> str:
@@ -161,6 +163,12 @@ def _plan_line(run: RunFacts) -> str:
     )
 
 
+def _mfu_line(peak: Peak | None) -> str:
+    if peak is None:
+        return "mfu: not reported (no peak known for this device; set general.hardware)"
+    return f"mfu against {peak.flops / 1e12:.4g} TFLOP/s per device: {peak.source}"
+
+
 def run_summary(run: RunFacts) -> str:
     """The summary text (call on every rank: it gathers each rank's sizes)."""
     cfg, engine = run.config, run.engine
@@ -205,6 +213,7 @@ def run_summary(run: RunFacts) -> str:
         *[f"data {line}" for line in stage_lines],
         _memory_line(estimates),
         _plan_line(run),
+        _mfu_line(run.peak),
         f"checkpoints: {Path(ck.checkpoints_path).resolve()} ({every}, {keep}) | logs: "
         f"{Path(cfg.logging.log_dir).resolve()} ({loggers})",
     ]

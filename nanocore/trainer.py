@@ -30,12 +30,13 @@ from nanocore.data.mixture import Mixture
 from nanocore.data.schedule import DataSchedule
 from nanocore.engine_api import Engine
 from nanocore.errors import NanocoreError, TrainingError, TrainingInterrupted, explain_collective_failure
+from nanocore.hardware import load_hardware
 from nanocore.hf_interop import init_reader, is_hf_folder
 from nanocore.launch_env import launch_env
 from nanocore.logging_api import LoggerContext
 from nanocore.lr_schedule import LRSchedule
 from nanocore.memory import MemoryMeter, return_freed_memory
-from nanocore.mfu import mfu, peak_flops_per_device
+from nanocore.mfu import Peak, mfu, mfu_peak, remeasure_cpu_probe
 from nanocore.plugins import is_plugin_file
 from nanocore.run_folders import clear_for_overwrite, plan_run_folders
 from nanocore.run_lock import FolderLocks, lock_run_folders
@@ -118,7 +119,8 @@ class Trainer:
         if self.folders.overwrite and engine.is_main:
             clear_for_overwrite(self.folders)
         self.tokens_per_step = cfg.global_batch_size * cfg.tokens.sequence_length
-        self._peak = peak_flops_per_device(engine.device, engine.dtype)
+        hardware = load_hardware(cfg.general.hardware) if cfg.general.hardware is not None else None
+        self._peak: Peak | None = mfu_peak(engine.device, engine.dtype, hardware)
         summary = run_summary(self._facts())  # every rank takes part: it gathers per-rank sizes
         if engine.is_main:
             log.info("%s", summary)
@@ -139,6 +141,7 @@ class Trainer:
             overrides=self.overrides,
             step=self.step,
             tokens_per_step=self.tokens_per_step,
+            peak=self._peak,
         )
 
     @property
@@ -479,13 +482,39 @@ class Trainer:
             "tokens_per_sec_per_gpu": per_device,
             "consumed_tokens": self.consumed_tokens,
         }
-        value = mfu(self.engine.flops_per_token(self.config.tokens.sequence_length), per_device, self._peak)
+        value = self._mfu(per_device)
         if value is not None:
             metrics["mfu"] = value
         metrics["peak_memory_mb"] = self.memory.peak_mb()
         if self.guard is not None:
             metrics["skipped_steps"] = self.guard.skipped  # in this run, its earlier launches included
         return metrics
+
+    def _mfu(self, tokens_per_sec_per_device: float) -> float | None:
+        """MFU against the peak in force; never above 1. A CPU probe beaten by the step is measured
+        again once (it was taken too low); a peak still beaten is not a peak: MFU goes unreported,
+        with a warning naming it."""
+        flops = self.engine.flops_per_token(self.config.tokens.sequence_length)
+        peak = self._peak
+        value = mfu(flops, tokens_per_sec_per_device, peak.flops if peak is not None else None)
+        if value is None or value <= 1.0 or peak is None:
+            return value
+        if peak.source.startswith("CPU"):
+            remeasured = remeasure_cpu_probe()
+            if remeasured is not None and remeasured > peak.flops:
+                self._peak = peak = Peak(remeasured, peak.source)
+                value = mfu(flops, tokens_per_sec_per_device, peak.flops)
+                if value is not None and value <= 1.0:
+                    return value
+        log.warning(
+            "mfu: the step ran at %.3g FLOP/s per device, above the peak it is measured against (%.3g, %s); "
+            "mfu is not reported. Set general.hardware to a description of this machine (nanocore calibrate).",
+            (flops or 0.0) * tokens_per_sec_per_device,
+            peak.flops,
+            peak.source,
+        )
+        self._peak = None
+        return None
 
     def _close_loggers(self) -> None:
         loggers, self.loggers = self.loggers, []

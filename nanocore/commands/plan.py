@@ -16,6 +16,7 @@ import attrs
 
 from nanocore.engine_api import MemoryPlan
 from nanocore.errors import ConfigError
+from nanocore.hardware import parse_size
 from nanocore.plan import plan_for
 from nanocore.plugins import add_plugin_argument
 
@@ -34,20 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_bytes(text: str) -> int:
-    """'80GB', '80GiB', '1.5TB', '512MB' or a plain number of bytes. GB means 2**30 bytes here, as
-    GPU memory is quoted (an "80 GB" H100 holds 80 GiB)."""
-    units = {"": 1, "B": 1, "KB": 2**10, "KIB": 2**10, "MB": 2**20, "MIB": 2**20}
-    units |= {"GB": 2**30, "GIB": 2**30, "TB": 2**40, "TIB": 2**40}
-    s = text.strip().upper().replace(" ", "")
-    number = s.rstrip("KMGTIB")
-    unit = s[len(number) :]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value <= 0:
-        raise ConfigError(f"--device-memory: cannot read {text!r}; write a size such as 80GB")
-    return int(value * units[unit])
+    """'80GB', '80GiB', '1.5TB', '512MB' or a plain number of bytes (`nanocore.hardware.parse_size`)."""
+    return parse_size(text, "--device-memory")
 
 
 @attrs.frozen

@@ -59,6 +59,13 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
         )
     if config.model.dtype not in DTYPE_NAMES:
         p.append(f"model.dtype: expected one of {', '.join(DTYPE_NAMES)}, got {config.model.dtype!r}")
+    if config.general.hardware is not None:
+        from nanocore.hardware import load_hardware
+
+        try:
+            load_hardware(config.general.hardware)
+        except ConfigError as e:
+            p += [f"general.hardware: {problem}" for problem in e.problems]
     if config.model.make_vocab_size_divisible_by < 1:
         p.append("model.make_vocab_size_divisible_by: must be at least 1")
     lr = opt.learning_rate_scheduler

@@ -24,6 +24,12 @@ class GeneralArgs:
     project: str = doc("Project name (used by loggers such as wandb).", default="nanocore")
     run: str = doc("Run name; `%date` is replaced by the launch time.", default="run")
     seed: int = doc("Seed for weights, data order and every rank's RNG.", default=42)
+    hardware: str | None = doc(
+        "The hardware description MFU (and the layout check) is measured against: a shipped name "
+        "(a100-80gb, h100-sxm, h200) or a YAML file `nanocore calibrate` wrote. null: on NVIDIA GPUs "
+        "the datasheet table by device name, on CPU a matmul probe timed by CPU time.",
+        default=None,
+    )
 
 
 @attrs.define

@@ -1,0 +1,265 @@
+"""A hardware description: what the time model (`nanocore plan --hardware`) and MFU are measured against.
+
+A small YAML file (`nanocore/hardware_specs/*.yaml` are the shipped ones, each figure cited to its
+public datasheet; `nanocore calibrate` writes one for the machine at hand):
+
+    name: h100-sxm
+    source: where the figures come from
+    peak_flops: {bfloat16: 989.4e+12, float32: 66.9e+12, ...}   # dense FLOP/s per device
+    memory: 80GiB                    # per device (a number of bytes or a size such as 80GiB)
+    memory_bandwidth: 3.35e+12       # bytes/s per device (optional: the optimizer step's cost)
+    devices_per_node: 8
+    intra_node: {bandwidth: 450e9, latency: 5e-6}   # bytes/s per device one way; seconds per message
+    inter_node: {bandwidth: 50e9, latency: 10e-6}
+    matmul_efficiency: [[1e9, 0.25], [1e11, 0.7]]   # optional: (FLOPs of one matmul, fraction of peak)
+
+Bandwidth is a ring collective's *bus bandwidth* as nccl-tests reports it: the bytes each device
+sends per second, so that an all-reduce of S bytes over n devices takes 2 (n-1)/n S / bandwidth
+plus 2 (n-1) latencies (`Hardware.collective_seconds`). A group whose devices span nodes runs at the
+inter-node figures. The efficiency curve is interpolated on log FLOPs and held flat beyond its ends;
+without one every matmul runs at the peak.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from importlib import resources
+from pathlib import Path
+
+import attrs
+import yaml
+
+from nanocore.errors import ConfigError
+
+DTYPES = ("float32", "tf32", "bfloat16", "float16", "float8")
+
+
+@attrs.frozen
+class Link:
+    """One kind of connection between devices: bus bandwidth (bytes/s per device, one direction) and
+    the latency of one message step (seconds)."""
+
+    bandwidth: float
+    latency: float
+
+
+@attrs.frozen
+class Hardware:
+    """A device type and how its devices are connected (see the module docstring)."""
+
+    name: str
+    source: str  # where the figures come from: datasheets, or `nanocore calibrate` and when
+    peak_flops: dict[str, float]  # dtype name (DTYPES) -> dense FLOP/s per device
+    memory_bytes: int
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link
+    memory_bandwidth: float | None = None
+    matmul_efficiency: tuple[tuple[float, float], ...] = ()  # (FLOPs of one matmul, fraction of peak), sorted
+
+    def peak(self, dtype: str) -> float:
+        """Dense FLOP/s per device for matmuls in `dtype` (a torch dtype name; "tf32" for float32 on
+        tensor cores)."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        raise ConfigError(
+            f"hardware {self.name!r} declares no peak_flops.{dtype} (it has: {', '.join(sorted(self.peak_flops))})"
+        )
+
+    def efficiency(self, flops: float) -> float:
+        """Achieved fraction of the peak for one matmul of `flops` FLOPs (the curve, log-interpolated)."""
+        curve = self.matmul_efficiency
+        if not curve:
+            return 1.0
+        xs = [math.log(max(x, 1.0)) for x, _ in curve]
+        x = math.log(max(flops, 1.0))
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return curve[0][1]
+        if i == len(curve):
+            return curve[-1][1]
+        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1]) if xs[i] > xs[i - 1] else 1.0
+        return curve[i - 1][1] + t * (curve[i][1] - curve[i - 1][1])
+
+    def matmul_seconds(self, flops: float, dtype: str) -> float:
+        """Time of one matmul of `flops` FLOPs in `dtype` at the curve's efficiency for its size."""
+        if flops <= 0:
+            return 0.0
+        return flops / (self.peak(dtype) * self.efficiency(flops))
+
+    def link(self, group_size: int, stride: int = 1) -> Link:
+        """The link a ring over `group_size` devices, `stride` ranks apart, runs at: NVLink-like within a
+        node, the inter-node one as soon as the group spans nodes (ranks fill a node before the next)."""
+        span = (group_size - 1) * stride + 1
+        return self.intra_node if span <= self.devices_per_node else self.inter_node
+
+    def collective_seconds(self, kind: str, size_bytes: float, group_size: int, stride: int = 1) -> float:
+        """Time of one collective over `group_size` devices, each holding `size_bytes` (all_reduce,
+        reduce_scatter's input, all_gather's output, all_to_all's send buffer), or of one point-to-point
+        message of `size_bytes` (kind "send"): ring algorithms, the alpha-beta model."""
+        n = group_size
+        if size_bytes <= 0 or (n <= 1 and kind != "send"):
+            return 0.0
+        link = self.link(max(n, 2), stride)
+        if kind == "send":
+            return link.latency + size_bytes / link.bandwidth
+        steps = {"all_reduce": 2 * (n - 1), "reduce_scatter": n - 1, "all_gather": n - 1, "all_to_all": n - 1}
+        if kind not in steps:
+            raise ValueError(f"unknown collective {kind!r}")
+        return steps[kind] * (link.latency + size_bytes / n / link.bandwidth)
+
+
+def parse_size(text: str, what: str) -> int:
+    """'80GB', '80GiB', '1.5TB', '512MB' or a plain number of bytes. GB means 2**30 bytes here, as
+    GPU memory is quoted (an "80 GB" H100 holds 80 GiB). `what` names the field in the error."""
+    units = {"": 1, "B": 1, "KB": 2**10, "KIB": 2**10, "MB": 2**20, "MIB": 2**20}
+    units |= {"GB": 2**30, "GIB": 2**30, "TB": 2**40, "TIB": 2**40}
+    s = text.strip().upper().replace(" ", "")
+    number = s.rstrip("KMGTIB")
+    unit = s[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise ConfigError(f"{what}: cannot read {text!r}; write a size such as 80GB")
+    return int(value * units[unit])
+
+
+def shipped_names() -> list[str]:
+    """The hardware descriptions shipped with nanocore (`--hardware NAME`)."""
+    folder = resources.files("nanocore") / "hardware_specs"
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_hardware(spec: str) -> Hardware:
+    """A shipped name (`shipped_names()`) or the path of a YAML file (one `nanocore calibrate` wrote)."""
+    if spec in shipped_names():
+        text = (resources.files("nanocore") / "hardware_specs" / f"{spec}.yaml").read_text()
+        return parse_hardware(yaml.safe_load(text), f"hardware {spec!r}")
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"hardware {spec!r}: neither a shipped name ({', '.join(shipped_names())}) nor a file; "
+            "`nanocore calibrate --world-size N --output FILE` writes one for this machine"
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from e
+    return parse_hardware(data, str(path))
+
+
+def _number(value: object, where: str, problems: list[str], positive: bool = True) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]  # YAML reads 1e9 (no dot, no sign) as a string
+    except (TypeError, ValueError):
+        problems.append(f"{where}: expected a number, got {value!r}")
+        return math.nan
+    if positive and not number > 0:
+        problems.append(f"{where}: expected a positive number, got {value!r}")
+    return number
+
+
+def parse_hardware(data: object, origin: str) -> Hardware:
+    """A `Hardware` from parsed YAML; every problem named by its YAML path, all in one ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: expected a mapping of hardware fields, got {type(data).__name__}")
+    problems: list[str] = []
+    known = {
+        "name",
+        "source",
+        "peak_flops",
+        "memory",
+        "memory_bandwidth",
+        "devices_per_node",
+        "intra_node",
+        "inter_node",
+        "matmul_efficiency",
+        "measured",
+    }
+    for key in data:
+        if key not in known:
+            problems.append(f"{origin}: {key}: unknown field (known: {', '.join(sorted(known))})")
+    for key in ("name", "peak_flops", "memory", "devices_per_node", "intra_node", "inter_node"):
+        if key not in data:
+            problems.append(f"{origin}: {key}: missing")
+    peaks: dict[str, float] = {}
+    raw_peaks = data.get("peak_flops", {})
+    if not isinstance(raw_peaks, dict) or not raw_peaks:
+        problems.append(f"{origin}: peak_flops: expected a mapping of dtype to FLOP/s ({', '.join(DTYPES)})")
+    else:
+        for dtype, value in raw_peaks.items():
+            if dtype not in DTYPES:
+                problems.append(f"{origin}: peak_flops.{dtype}: unknown dtype (one of {', '.join(DTYPES)})")
+            peaks[str(dtype)] = _number(value, f"{origin}: peak_flops.{dtype}", problems)
+    memory = 0
+    if "memory" in data:
+        raw_memory = data["memory"]
+        try:
+            memory = int(raw_memory) if isinstance(raw_memory, int | float) else parse_size(str(raw_memory), "memory")
+        except ConfigError:
+            problems.append(f"{origin}: memory: cannot read {data['memory']!r}; write bytes or a size such as 80GiB")
+    links = {}
+    for key in ("intra_node", "inter_node"):
+        raw = data.get(key, {})
+        if not isinstance(raw, dict):
+            problems.append(f"{origin}: {key}: expected {{bandwidth: bytes/s, latency: seconds}}")
+            raw = {}
+        links[key] = Link(
+            _number(raw.get("bandwidth"), f"{origin}: {key}.bandwidth", problems),
+            _number(raw.get("latency", 0.0), f"{origin}: {key}.latency", problems, positive=False),
+        )
+    devices = data.get("devices_per_node", 1)
+    if not isinstance(devices, int) or devices < 1:
+        problems.append(f"{origin}: devices_per_node: expected a positive integer, got {devices!r}")
+    bandwidth = data.get("memory_bandwidth")
+    memory_bandwidth = None if bandwidth is None else _number(bandwidth, f"{origin}: memory_bandwidth", problems)
+    curve: list[tuple[float, float]] = []
+    raw_curve = data.get("matmul_efficiency") or []
+    if not isinstance(raw_curve, list):
+        problems.append(f"{origin}: matmul_efficiency: expected a list of [FLOPs, fraction of peak] pairs")
+        raw_curve = []
+    for i, point in enumerate(raw_curve):
+        where = f"{origin}: matmul_efficiency[{i}]"
+        if not isinstance(point, list | tuple) or len(point) != 2:
+            problems.append(f"{where}: expected [FLOPs of one matmul, fraction of peak], got {point!r}")
+            continue
+        flops, fraction = _number(point[0], where, problems), _number(point[1], where, problems)
+        if fraction > 1:
+            problems.append(f"{where}: a fraction of the peak above 1 ({fraction}): raise peak_flops instead")
+        curve.append((flops, fraction))
+    if problems:
+        raise ConfigError(problems)
+    return Hardware(
+        name=str(data["name"]),
+        source=str(data.get("source", "")).strip(),
+        peak_flops=peaks,
+        memory_bytes=memory,
+        devices_per_node=int(devices),
+        intra_node=links["intra_node"],
+        inter_node=links["inter_node"],
+        memory_bandwidth=memory_bandwidth,
+        matmul_efficiency=tuple(sorted(curve)),
+    )
+
+
+def hardware_to_yaml(hw: Hardware, measured: dict[str, object] | None = None) -> str:
+    """The YAML `load_hardware` reads back (what `nanocore calibrate` writes); `measured`: raw figures kept
+    beside the description for the record."""
+    data: dict[str, object] = {
+        "name": hw.name,
+        "source": hw.source,
+        "peak_flops": {k: float(v) for k, v in hw.peak_flops.items()},
+        "memory": int(hw.memory_bytes),
+        "devices_per_node": hw.devices_per_node,
+        "intra_node": {"bandwidth": hw.intra_node.bandwidth, "latency": hw.intra_node.latency},
+        "inter_node": {"bandwidth": hw.inter_node.bandwidth, "latency": hw.inter_node.latency},
+        "matmul_efficiency": [[float(f), float(e)] for f, e in hw.matmul_efficiency],
+    }
+    if hw.memory_bandwidth is not None:
+        data["memory_bandwidth"] = hw.memory_bandwidth
+    if measured:
+        data["measured"] = measured
+    return yaml.safe_dump(data, sort_keys=False)

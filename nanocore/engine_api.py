@@ -163,6 +163,35 @@ class MemoryPlan:
 
 
 @attrs.frozen
+class TimeTerm:
+    """One cost term of a predicted step: its exposed seconds (what it adds to the step after overlap)."""
+
+    name: str  # compute, recompute, tensor_parallel, context_parallel, expert_parallel, pipeline_p2p,
+    # pipeline_bubble, data_parallel, optimizer
+    seconds: float
+    detail: str  # the term's inputs, in words
+
+
+@attrs.frozen
+class TimePrediction:
+    """What an engine's time model (registry extra `predict(config, registries, hardware, device,
+    expert_load_factor) -> TimePrediction`) tells `nanocore plan --hardware`. The terms add up to
+    `step_seconds`; each is documented with its formula in docs/planning.md."""
+
+    hardware: str  # the hardware description's name
+    dtype: str  # the peak it uses
+    step_seconds: float
+    tokens_per_sec_per_device: float
+    mfu: float  # model FLOPs per step (no recompute) / (step_seconds x devices x peak)
+    terms: list[TimeTerm]
+    dominant: str  # the largest term's name
+
+    def term(self, name: str) -> float:
+        """Seconds of term `name` (0 when the layout has none)."""
+        return sum(t.seconds for t in self.terms if t.name == name)
+
+
+@attrs.frozen
 class ReplicaGroup:
     """The data-parallel ranks that hold the same piece of a parameter: a process group (None when
     not distributed), this rank's index in it and its size."""

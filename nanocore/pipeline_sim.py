@@ -142,6 +142,7 @@ def simulate(
     t_input: float | Sequence[float] | None = None,
     t_weight: float | Sequence[float] | None = None,
     placement: object = None,
+    first_stage_whole: bool | None = None,
 ) -> SimResult:
     """Simulate one step of a `PipelineSchedule` (or of explicit per-rank action lists).
 
@@ -151,7 +152,9 @@ def simulate(
     (stages differ: the first embeds, the last computes the loss). Raises `ScheduleError` for an
     incomplete list or a deadlock. Chunks sit where the schedule places them
     (`nanocore.pipeline_api.stage_of`); for explicit lists, `placement` is an object with that
-    `stage_of` method (default: Megatron's loop).
+    `stage_of` method (default: Megatron's loop). `first_stage_whole`: the first stage's I is empty
+    and its W the whole backward, as the executor runs it (None: so only when neither split time is
+    given).
     """
     lists = _action_lists(schedule_or_action_lists, pp_size, num_microbatches, num_chunks)
     owners = stage_owners(schedule_or_action_lists if placement is None else placement, pp_size, num_chunks)
@@ -166,7 +169,8 @@ def simulate(
         "W": [b / 2 for b in backward] if t_weight is None else _per_rank(t_weight, pp_size, "t_weight"),
     }
     duration = [{kind: t[rank] / num_chunks for kind, t in times.items()} for rank in range(pp_size)]
-    first_stage_whole = t_input is None and t_weight is None  # its I is empty, its W the whole backward
+    if first_stage_whole is None:  # its I is empty, its W the whole backward
+        first_stage_whole = t_input is None and t_weight is None
     # finish[kind][stage * m + microbatch]; -1.0 = not run yet. "G": the input gradient is ready (B or I)
     finish = {kind: [-1.0] * ((last_stage + 1) * m) for kind in ("F", "B", "I", "W", "G")}
     pos, free = [0] * pp_size, [0.0] * pp_size

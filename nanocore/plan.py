@@ -1,5 +1,6 @@
 """The memory plan of a config: bytes per rank before anything is launched (the library half of
-`nanocore plan`, also read by the start-of-run summary).
+`nanocore plan`, also read by the start-of-run summary), and its predicted step time on a hardware
+description (`nanocore plan --hardware`).
 
 The engine plugin does the counting (registry entry extra `plan(config, registries, device) ->
 MemoryPlan`, the record in nanocore.engine_api; see plugins/parallel/planner.py for the built-in
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nanocore.engine_api import MemoryPlan
+from nanocore.engine_api import MemoryPlan, TimePrediction
 from nanocore.errors import PluginError
 
 if TYPE_CHECKING:
     from nanocore.config.schema import Config
+    from nanocore.hardware import Hardware
     from nanocore.registry import Registries
 
 
@@ -29,5 +31,23 @@ def plan_for(config: Config, registries: Registries, device: str) -> MemoryPlan 
         raise PluginError(
             f"plugin {entry.plugin!r}: engine {entry.name!r}'s plan returned {type(result).__name__}, "
             "not a nanocore.engine_api.MemoryPlan"
+        )
+    return result
+
+
+def predict_for(
+    config: Config, registries: Registries, hardware: Hardware, device: str, expert_load_factor: float = 1.0
+) -> TimePrediction | None:
+    """The engine's predicted step time on `hardware`, or None when the engine offers no time model
+    (registry entry extra `predict(config, registries, hardware, device, expert_load_factor)`)."""
+    entry = registries.parallel_engine.get(config.parallelism.engine)
+    predictor = entry.extras.get("predict")
+    if predictor is None:
+        return None
+    result = predictor(config, registries, hardware, device=device, expert_load_factor=expert_load_factor)
+    if not isinstance(result, TimePrediction):
+        raise PluginError(
+            f"plugin {entry.plugin!r}: engine {entry.name!r}'s predict returned {type(result).__name__}, "
+            "not a nanocore.engine_api.TimePrediction"
         )
     return result

@@ -177,6 +177,11 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
             "plan": Extra(
                 _FUNCTION, "fn(config, registries, device) -> MemoryPlan (nanocore.engine_api): bytes per rank"
             ),
+            "predict": Extra(
+                _FUNCTION,
+                "fn(config, registries, hardware, device, expert_load_factor) -> TimePrediction "
+                "(nanocore.engine_api): seconds per step",
+            ),
         },
     ),
     "pipeline_schedule": RegistryKind(

@@ -16,8 +16,8 @@ import attrs
 
 from nanocore.engine_api import MemoryPlan
 from nanocore.errors import ConfigError
-from nanocore.hardware import parse_size
-from nanocore.plan import plan_for
+from nanocore.hardware import load_hardware, parse_size
+from nanocore.plan import plan_for, predict_for
 from nanocore.plugins import add_plugin_argument
 
 HELP = "bytes per rank (parameters, gradients, optimizer, activations) before launching"
@@ -31,6 +31,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-memory", default=None, metavar="SIZE", help="e.g. 80GB: say whether every rank fits")
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="resolves model.dtype auto (cuda: bfloat16)"
+    )
+    p.add_argument(
+        "--hardware",
+        default=None,
+        metavar="NAME|FILE",
+        help="predict the step time on this hardware (a100-80gb, h100-sxm, h200, or a calibrate file)",
+    )
+    p.add_argument(
+        "--expert-load-factor",
+        type=float,
+        default=1.0,
+        help="tokens the busiest expert-parallel rank gets, over the balanced share (default 1.0)",
     )
 
 
@@ -80,9 +92,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_for(config, loaded.plugins.registries, args.device)
     if plan is None:
         raise ConfigError(f"parallelism.engine: engine {config.parallelism.engine!r} offers no memory planner")
-    f = fit(plan, parse_bytes(args.device_memory), config.tokens.micro_batch_size) if args.device_memory else None
+    hardware = load_hardware(args.hardware) if args.hardware is not None else None
+    if args.expert_load_factor < 1.0:
+        raise ConfigError(f"--expert-load-factor: at least 1 (the balanced share), got {args.expert_load_factor}")
+    device_memory = args.device_memory
+    if device_memory is None and hardware is not None:
+        device_memory = str(hardware.memory_bytes)
+    f = fit(plan, parse_bytes(device_memory), config.tokens.micro_batch_size) if device_memory else None
+    prediction = None
+    if hardware is not None:
+        prediction = predict_for(config, loaded.plugins.registries, hardware, args.device, args.expert_load_factor)
+        if prediction is None:
+            raise ConfigError(f"parallelism.engine: engine {config.parallelism.engine!r} offers no time model")
     if args.json:
         result = attrs.asdict(plan) | ({"fit": attrs.asdict(f)} if f is not None else {})
+        if prediction is not None:
+            result |= {
+                "predicted_step_seconds": prediction.step_seconds,
+                "predicted_tokens_per_sec_per_device": prediction.tokens_per_sec_per_device,
+                "predicted_mfu": prediction.mfu,
+                "prediction": attrs.asdict(prediction),
+            }
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -101,6 +131,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"FLOPs per step: {plan.flops_per_step:.3e} (with recompute {plan.flops_per_step_with_recompute:.3e})")
     for what in plan.unknown:
         print(f"not counted: {what}")
+    if prediction is not None:
+        print(
+            f"predicted on {prediction.hardware} ({prediction.dtype}): {prediction.step_seconds:.4g} s per step, "
+            f"{prediction.tokens_per_sec_per_device:,.0f} tokens/s per device, MFU {prediction.mfu:.1%}; "
+            f"dominant cost: {prediction.dominant}"
+        )
+        for t in prediction.terms:
+            if t.seconds > 0:
+                print(f"  {t.name:>16} {t.seconds:10.4g} s  ({t.detail})")
     if f is not None:
         verdict = "fits" if f.fits else "does NOT fit"
         largest = f.largest_micro_batch_size

@@ -12,6 +12,7 @@ from nanocore.sequence_api import attention_heads, sequence_features
 from .context_parallel import CONTEXT_PARALLEL_MODES
 from .engine import ParallelEngine
 from .planner import plan
+from .time_model import predict
 
 
 def check(config: Config, _args: object, registries=None) -> list[str]:
@@ -129,4 +130,5 @@ def register_parallel_engines(registry):
         check=check,
         check_model=check_blocks,
         plan=plan,
+        predict=predict,
     )

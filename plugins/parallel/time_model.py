@@ -1,0 +1,446 @@
+"""The `nd` engine's time model: seconds per training step of a config on a hardware description
+(`nanocore plan --hardware`). One function per cost term; docs/planning.md gives each formula.
+
+Per pipeline rank and micro-batch of T = micro_batch_size x sequence / cp tokens on the rank, from the
+model built on the meta device with the layout's TP (the same parameters the engine builds):
+
+- compute (`matmul_seconds`, `attention_seconds`): every weight matrix outside the embedding is one
+  matmul of 2 T x (its local elements) FLOPs forward, two of that size backward (input and weight
+  gradients), each at the hardware's efficiency for its size; an expert matrix gets the tokens its
+  router sends it (T / sp x k / E x ep per expert, x the expert-load factor on the busiest rank);
+  attention is 4 x (query width / tp) x sequence x T x 1/2 (causal) FLOPs forward per layer, twice
+  that backward;
+- recompute (`recompute_seconds`): full: each decoder layer's forward again in backward;
+  selective: the attention core's;
+- tensor_parallel (`tensor_parallel_seconds`): per decoder layer two all-reduces of T x hidden
+  activations forward and two backward (REDUCE_SCATTER: an all-gather and a reduce-scatter for
+  each); with tp_linear_async_communication the backward's all-gathers hide behind the weight
+  gradients; one more each way for the embedding and the head;
+- context_parallel (`context_parallel_seconds`): ring: (cp - 1) key/value blocks sent per layer
+  forward, with their gradients backward, overlapped with attention (only what exceeds it shows);
+  all_to_all: queries, keys, values and the output swapped forward and backward (not overlapped);
+- expert_parallel (`expert_parallel_seconds`): per MoE layer a dispatch and a combine all-to-all of
+  T / sp x k tokens' hidden vectors forward and backward, x the expert-load factor;
+- pipeline_p2p (`pipeline_p2p_seconds`): one activation message per forward and one gradient per
+  backward between stages;
+- pipeline_bubble: the pipeline simulator runs the schedule with each rank's forward, backward and
+  split-backward times; the bubble is the step's makespan less the busiest rank's work;
+- data_parallel (`data_parallel_seconds`): the gradient all-reduce (ZeRO-2/3: reduce-scatter) over
+  dp x cp, overlapped with the last micro-batch's backward (at least one bucket shows); ZeRO-1/2's
+  all-gather of updated parameters after the step; ZeRO-3's gathers in every forward and backward,
+  overlapped with that compute;
+- optimizer (`optimizer_seconds`): the step reads and writes each updated element's parameter,
+  gradient and states once at the memory bandwidth.
+
+Collectives follow the ring alpha-beta model of `nanocore.hardware.Hardware.collective_seconds`,
+at the intra-node link while a group's ranks fit in one node (tp innermost, then cp, pp, dp).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+from torch import nn
+
+from nanocore.config import Config
+from nanocore.dtypes import resolve_dtype_name
+from nanocore.engine_api import TimePrediction, TimeTerm
+from nanocore.hardware import Hardware
+from nanocore.moe_api import moe_layers
+from nanocore.pipeline_api import stage_of
+from nanocore.pipeline_sim import simulate
+from nanocore.registry import Registries
+
+from .build import meta_model, partition
+from .expert_parallel import is_expert, shard_experts
+from .tensor_parallel import PlannedGroup
+from .tensor_parallel import parallelize as tp_parallelize
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CAUSAL = 0.5  # causal attention computes about half of the score matrix
+
+
+@attrs.frozen
+class Matmul:
+    """One weight matrix of a block, as this TP rank holds it (every expert: ep applies later)."""
+
+    elements: int
+    experts: int  # 1 for a dense matrix; E for a stacked expert tensor
+    active: float  # the share of tokens that use it (k / E for an expert)
+
+
+@attrs.frozen
+class Block:
+    """A pipeline block's costs per token: its matmuls, whether it holds an attention core, its
+    trainable elements (dense and expert)."""
+
+    matmuls: tuple[Matmul, ...]
+    attention: bool
+    moe: bool
+    params: int
+    expert_params: int
+
+
+@attrs.frozen
+class Inventory:
+    """The model at one TP size: blocks in order, and the widths the collectives move."""
+
+    blocks: tuple[Block, ...]
+    hidden: int
+    attention_query: float  # query elements per token per layer (before TP)
+    attention_key_value: float
+    kv_heads: int
+    top_k: float  # tokens' expert choices per MoE layer (0 for a dense model)
+
+
+def inventory(config: Config, registries: Registries, tp: int) -> Inventory:
+    """Read the model's blocks at tensor-parallel size `tp` off a meta model (see the module docstring)."""
+    entry = registries.model.get(config.model.model_type)
+    model = meta_model(entry, config.model, vocab_multiple=config.model.make_vocab_size_divisible_by * tp)
+    declared = model.activation_elements_per_token() if hasattr(model, "activation_elements_per_token") else None
+    declared = declared or {}
+    if tp > 1:
+        mode = registries.tp_mode.get(config.parallelism.tp_mode).factory()
+        async_comm = config.parallelism.tp_linear_async_communication
+        tp_parallelize(model, model.tp_plan, PlannedGroup(tp, 0), mode, async_comm)
+    shard_experts(model, 1, 0)  # marks the expert tensors
+    active = getattr(model, "active_fraction", None)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    moe = set(moe_layers(model))
+    blocks_out = []
+    hidden = 0
+    top_k = 0.0
+    for block in model.pipeline_blocks():
+        matmuls, params, expert_params, seen = [], 0, 0, set()
+        is_moe = any(name == layer or layer.startswith(name + ".") for name in block for layer in moe)
+        for name in block:
+            for module in model.get_submodule(name).modules():
+                lookup = isinstance(module, nn.Embedding) or "Embedding" in type(module).__name__
+                for p in module.parameters(recurse=False):
+                    if id(p) in seen:
+                        continue
+                    seen.add(id(p))
+                    if lookup:
+                        hidden = hidden or int(p.shape[-1])
+                    if p.requires_grad:
+                        if is_expert(p):
+                            expert_params += p.numel()
+                        else:
+                            params += p.numel()
+                    if p.dim() < 2 or lookup:
+                        continue
+                    fraction = float(active(names[id(p)])) if active is not None else 1.0
+                    experts = int(p.shape[0]) if is_expert(p) else 1
+                    if is_expert(p):
+                        top_k = max(top_k, fraction * experts)
+                    matmuls.append(Matmul(p.numel(), experts, fraction))
+        attention = any(".layers." in name or name.startswith("layers.") for name in block)
+        blocks_out.append(Block(tuple(matmuls), attention, is_moe, params, expert_params))
+    return Inventory(
+        blocks=tuple(blocks_out),
+        hidden=hidden,
+        attention_query=float(declared.get("attention_query", 0.0)),
+        attention_key_value=float(declared.get("attention_key_value", 0.0)),
+        kv_heads=int(declared.get("attention_kv_heads", 0)),
+        top_k=top_k,
+    )
+
+
+@attrs.frozen
+class Layout:
+    """What the terms read of a config: sizes, modes and the batch geometry."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    virtual: int
+    zero: int
+    microbatches: int
+    tokens: float  # per micro-batch on one rank: micro_batch_size x sequence / cp
+    sequence: int
+    sequence_parallel: bool
+    tp_async: bool
+    cp_mode: str
+    recompute: str | None
+    dtype: str
+    dtype_bytes: int
+    grad_bytes: int
+    states: int  # optimizer states per element
+    load: float  # expert-load factor of the busiest rank
+
+
+def layout_of(config: Config, registries: Registries, dtype: str, expert_load_factor: float) -> Layout:
+    par, tok, opt = config.parallelism, config.tokens, config.optimizer
+    sequence_parallel = False
+    if par.tp > 1:
+        sequence_parallel = bool(registries.tp_mode.get(par.tp_mode).factory().sequence_parallel)
+    entry = registries.optimizer.get(opt.optimizer_factory.name)
+    count = entry.extras.get("states_per_element")
+    states = int(count(opt.optimizer_factory.args)) if count is not None else 2
+    dtype_bytes = DTYPE_BYTES[dtype] if dtype in DTYPE_BYTES else 2
+    return Layout(
+        dp=par.dp,
+        tp=par.tp,
+        pp=par.pp,
+        cp=par.context_parallel_size,
+        ep=par.expert_parallel_size,
+        virtual=par.pp_virtual_stages,
+        zero=opt.zero_stage,
+        microbatches=tok.batch_accumulation_per_replica,
+        tokens=tok.micro_batch_size * tok.sequence_length / par.context_parallel_size,
+        sequence=tok.sequence_length,
+        sequence_parallel=sequence_parallel,
+        tp_async=par.tp_linear_async_communication,
+        cp_mode=par.context_parallel_mode,
+        recompute=par.recompute,
+        dtype=dtype,
+        dtype_bytes=dtype_bytes,
+        grad_bytes=4 if opt.accumulate_grad_in_fp32 else dtype_bytes,
+        states=states,
+        load=expert_load_factor,
+    )
+
+
+# -- the terms -----------------------------------------------------------------------------------
+
+
+def matmul_seconds(block: Block, lay: Layout, hw: Hardware) -> float:
+    """Forward seconds of a block's matmuls on one micro-batch (backward: twice, half per split half)."""
+    total = 0.0
+    moe_tokens = lay.tokens / (lay.tp if lay.sequence_parallel else 1)
+    for mm in block.matmuls:
+        if mm.experts == 1:
+            total += hw.matmul_seconds(2 * lay.tokens * mm.elements, lay.dtype)
+            continue
+        per_expert_tokens = moe_tokens * mm.active * lay.ep * lay.load  # what the busiest rank's experts get
+        per_expert = 2 * per_expert_tokens * mm.elements / mm.experts
+        total += (mm.experts / lay.ep) * hw.matmul_seconds(per_expert, lay.dtype)
+    return total
+
+
+def attention_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -> float:
+    """Forward seconds of a layer's attention core (4 x query width / tp x sequence x T FLOPs, causal half)."""
+    if not block.attention:
+        return 0.0
+    flops = 4 * inv.attention_query / lay.tp * lay.sequence * lay.tokens * CAUSAL
+    return hw.matmul_seconds(flops, lay.dtype)
+
+
+def recompute_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -> float:
+    """What recompute adds to a block's backward: its forward (full) or its attention core's (selective)."""
+    if lay.recompute == "full" and block.attention:
+        return matmul_seconds(block, lay, hw) + attention_seconds(block, inv, lay, hw)
+    if lay.recompute == "selective":
+        return attention_seconds(block, inv, lay, hw)
+    return 0.0
+
+
+def tensor_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) seconds of a block's TP collectives on one micro-batch."""
+    if lay.tp <= 1:
+        return 0.0, 0.0
+    size = lay.tokens * inv.hidden * lay.dtype_bytes
+    if lay.sequence_parallel:
+        pair = hw.collective_seconds("all_gather", size, lay.tp) + hw.collective_seconds("reduce_scatter", size, lay.tp)
+        gather = hw.collective_seconds("all_gather", size, lay.tp)
+    else:
+        pair = gather = hw.collective_seconds("all_reduce", size, lay.tp)
+    count = 2 if block.attention else 1  # attention and MLP; the embedding's or the head's one
+    backward = count * pair - (count * gather if lay.tp_async and lay.sequence_parallel else 0.0)
+    return count * pair, backward
+
+
+def context_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of a layer's context-parallel exchange on one micro-batch."""
+    if lay.cp <= 1 or not block.attention:
+        return 0.0, 0.0
+    b = lay.dtype_bytes
+    q = lay.tokens * inv.attention_query / lay.tp * b
+    kv = lay.tokens * inv.attention_key_value / lay.tp * b
+    stride = lay.tp
+    if lay.cp_mode == "all_to_all":
+        kv_heads = max(1, round(inv.kv_heads / lay.tp)) if inv.kv_heads else lay.cp
+        repeat = lay.cp // math.gcd(kv_heads, lay.cp)
+        swap = sum(hw.collective_seconds("all_to_all", x, lay.cp, stride) for x in (q, repeat * kv, q))
+        return swap, swap
+    attention = attention_seconds(block, inv, lay, hw)
+    forward = (lay.cp - 1) * hw.collective_seconds("send", kv, 1, stride)
+    backward = (lay.cp - 1) * hw.collective_seconds("send", 2 * kv, 1, stride)
+    return max(0.0, forward - attention), max(0.0, backward - 2 * attention)
+
+
+def expert_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) seconds of a MoE layer's dispatch and combine all-to-alls on one micro-batch."""
+    if lay.ep <= 1 or not block.moe:
+        return 0.0, 0.0
+    tokens = lay.tokens / (lay.tp if lay.sequence_parallel else 1) * inv.top_k * lay.load
+    size = tokens * inv.hidden * lay.dtype_bytes
+    two = 2 * hw.collective_seconds("all_to_all", size, lay.ep, lay.tp)
+    return two, two
+
+
+def pipeline_p2p_seconds(inv: Inventory, lay: Layout, hw: Hardware) -> float:
+    """Seconds of one activation (or gradient) message between neighbouring stages."""
+    if lay.pp <= 1:
+        return 0.0
+    return hw.collective_seconds("send", lay.tokens * inv.hidden * lay.dtype_bytes, 1, lay.tp * lay.cp)
+
+
+def _dp_stride(lay: Layout) -> int:
+    """A stride that spans the dp x cp group's ranks (cp ranks tp apart, dp ranks tp x cp x pp apart)."""
+    n = lay.dp * lay.cp
+    span = (lay.cp - 1) * lay.tp + (lay.dp - 1) * lay.tp * lay.cp * lay.pp + 1
+    return max(1, math.ceil((span - 1) / max(n - 1, 1)))
+
+
+def data_parallel_seconds(
+    params: int, expert_params: int, lay: Layout, hw: Hardware, last_backward: float, compute: float, bucket: float
+) -> tuple[float, str]:
+    """Exposed seconds of the data-parallel traffic of a rank holding `params` dense and `expert_params`
+    expert elements (before ep), and the detail."""
+    dcp = lay.dp * lay.cp
+    edp = max(1, dcp // lay.ep)
+    stride = _dp_stride(lay)
+    dense_grads = params * lay.grad_bytes
+    expert_grads = expert_params / lay.ep * lay.grad_bytes
+    reduce = "reduce_scatter" if lay.zero >= 2 else "all_reduce"
+    grads = hw.collective_seconds(reduce, dense_grads, dcp, stride) + hw.collective_seconds(
+        reduce, expert_grads, edp, stride
+    )
+    one_bucket = hw.collective_seconds(reduce, min(bucket, dense_grads), dcp, stride)
+    exposed = max(one_bucket, grads - last_backward) if grads else 0.0
+    param_bytes = (params + expert_params / lay.ep) * lay.dtype_bytes
+    gather = hw.collective_seconds("all_gather", param_bytes, dcp, stride)
+    if lay.zero in (1, 2):
+        exposed += gather  # updated rows back to every replica, after the step
+    if lay.zero == 3:
+        exposed += max(0.0, 2 * lay.microbatches * gather - compute)  # prefetched beside every forward and backward
+    detail = f"{reduce} of {(dense_grads + expert_grads) / 2**20:.1f} MiB over {dcp} ranks; ZeRO {lay.zero}"
+    return exposed, detail
+
+
+def optimizer_seconds(params: int, expert_params: int, lay: Layout, hw: Hardware) -> float:
+    """The optimizer step: parameter, gradient and states read and written once per updated element."""
+    if hw.memory_bandwidth is None:
+        return 0.0
+    dcp = lay.dp * lay.cp
+    edp = max(1, dcp // lay.ep)
+    sharded = lay.zero >= 1
+    updated = params / (dcp if sharded else 1) + expert_params / lay.ep / (edp if sharded else 1)
+    per_element = 2 * lay.dtype_bytes + lay.grad_bytes + 2 * 4 * lay.states + (8 if lay.dtype_bytes != 4 else 0)
+    return updated * per_element / hw.memory_bandwidth
+
+
+# -- the step ------------------------------------------------------------------------------------
+
+
+def predict(
+    config: Config,
+    registries: Registries,
+    hardware: Hardware,
+    device: str = "cuda",
+    expert_load_factor: float = 1.0,
+) -> TimePrediction:
+    """The predicted step of `config` on `hardware` (see the module docstring)."""
+    dtype = resolve_dtype_name(config.model.dtype, device)
+    if dtype == "float32" and "float32" not in hardware.peak_flops and "tf32" in hardware.peak_flops:
+        dtype = "tf32"
+    hardware.peak(dtype)  # a clear error when the description lacks it
+    lay = layout_of(config, registries, dtype, expert_load_factor)
+    inv = inventory(config, registries, lay.tp)
+    schedule = registries.pipeline_schedule.get(config.parallelism.pp_engine).factory(config)
+    chunks = partition([[str(i)] for i in range(len(inv.blocks))], lay.pp * lay.virtual)
+    p2p = pipeline_p2p_seconds(inv, lay, hw := hardware)
+
+    per_rank = []
+    for rank in range(lay.pp):
+        ids = [stage_of(schedule, c, rank, lay.pp, lay.virtual) for c in range(lay.virtual)]
+        blocks = [inv.blocks[int(b[0])] for i in ids for b in chunks[i]]
+        sums = dict.fromkeys(("mm", "att", "rec", "tpf", "tpb", "cpf", "cpb", "epf", "epb"), 0.0)
+        params = expert_params = 0
+        for blk in blocks:
+            sums["mm"] += matmul_seconds(blk, lay, hw)
+            sums["att"] += attention_seconds(blk, inv, lay, hw)
+            sums["rec"] += recompute_seconds(blk, inv, lay, hw)
+            for key, fn in (("tp", tensor_parallel_seconds), ("cp", context_parallel_seconds)):
+                f, b = fn(blk, inv, lay, hw)
+                sums[key + "f"] += f
+                sums[key + "b"] += b
+            f, b = expert_parallel_seconds(blk, inv, lay, hw)
+            sums["epf"] += f
+            sums["epb"] += b
+            params += blk.params
+            expert_params += blk.expert_params
+        messages = lay.virtual * p2p
+        forward = sums["mm"] + sums["att"] + sums["tpf"] + sums["cpf"] + sums["epf"] + messages
+        weight = sums["mm"]
+        inputs = sums["mm"] + 2 * sums["att"] + sums["rec"] + sums["tpb"] + sums["cpb"] + sums["epb"] + messages
+        per_rank.append(
+            {
+                **sums,
+                "F": forward,
+                "B": inputs + weight,
+                "I": inputs,
+                "W": weight,
+                "params": params,
+                "expert_params": expert_params,
+                "p2p": 2 * messages,
+            }
+        )
+    m = lay.microbatches
+    sim = simulate(
+        schedule,
+        lay.pp,
+        m,
+        lay.virtual,
+        t_forward=[r["F"] for r in per_rank],
+        t_backward=[r["B"] for r in per_rank],
+        t_input=[r["I"] for r in per_rank],
+        t_weight=[r["W"] for r in per_rank],
+        first_stage_whole=True,  # the executor runs the first stage's backward whole, in W
+    )
+    busy = [m * (r["F"] + r["B"]) for r in per_rank]
+    critical = max(range(lay.pp), key=lambda i: busy[i])
+    r = per_rank[critical]
+    bucket = config.model.ddp_bucket_cap_mb * 2**20
+    dp_times = [
+        data_parallel_seconds(int(x["params"]), int(x["expert_params"]), lay, hw, x["B"], busy[i], bucket)
+        for i, x in enumerate(per_rank)
+    ]
+    dp_exposed, dp_detail = max(dp_times, key=lambda t: t[0])
+    opt = max(optimizer_seconds(int(x["params"]), int(x["expert_params"]), lay, hw) for x in per_rank)
+    bubble = max(0.0, sim.makespan - busy[critical])
+    where = f"{m} micro-batches of {lay.tokens:g} tokens on stage rank {critical}"
+    schedule_name = f"{config.parallelism.pp_engine}, {m} micro-batches, {lay.virtual} virtual stage(s)"
+    terms = [
+        TimeTerm("compute", m * 3 * (r["mm"] + r["att"]), where),
+        TimeTerm("recompute", m * r["rec"], f"recompute {lay.recompute or 'off'}"),
+        TimeTerm("tensor_parallel", m * (r["tpf"] + r["tpb"]), f"tp {lay.tp}, {config.parallelism.tp_mode}"),
+        TimeTerm("context_parallel", m * (r["cpf"] + r["cpb"]), f"cp {lay.cp} {lay.cp_mode} (exposed)"),
+        TimeTerm("expert_parallel", m * (r["epf"] + r["epb"]), f"ep {lay.ep}, load factor {lay.load:g}"),
+        TimeTerm("pipeline_p2p", m * r["p2p"], f"pp {lay.pp}"),
+        TimeTerm("pipeline_bubble", bubble, schedule_name),
+        TimeTerm("data_parallel", dp_exposed, dp_detail + " (exposed)"),
+        TimeTerm("optimizer", opt, f"{lay.states} states per element"),
+    ]
+    step = sum(t.seconds for t in terms)
+    world = lay.dp * lay.tp * lay.pp * lay.cp
+    global_tokens = lay.dp * config.tokens.micro_batch_size * m * lay.sequence
+    with torch.device("meta"):
+        whole = registries.model.get(config.model.model_type).factory(
+            config.model, vocab_multiple=config.model.make_vocab_size_divisible_by
+        )
+    flops = float(whole.flops_per_token(lay.sequence)) * global_tokens
+    return TimePrediction(
+        hardware=hardware.name,
+        dtype=dtype,
+        step_seconds=step,
+        tokens_per_sec_per_device=global_tokens / step / world if step > 0 else 0.0,
+        mfu=flops / (step * world * hardware.peak(dtype)) if step > 0 else 0.0,
+        terms=terms,
+        dominant=max(terms, key=lambda t: t.seconds).name,
+    )

@@ -1,0 +1,143 @@
+"""The `nd` engine's time model (plugins/parallel/time_model.py): each term against its formula
+worked by hand on a tiny model and a made-up machine, the terms adding up to the step, and
+`nanocore plan --hardware` printing the prediction."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from nanocore.config.converter import structure_config
+from nanocore.hardware import Hardware, Link, hardware_to_yaml
+from nanocore.plan import predict_for
+from nanocore.plugins import load_plugins
+from tests.helpers.launch import REPO
+from tests.helpers.training import TINY_MODEL, tiny_config
+
+# a machine with no matmul curve (every matmul at the peak) and no latency: the formulas come out exact
+PEAK = 1e12
+HW = Hardware("flat", "test", {"float32": PEAK}, 2**34, 8, Link(1e10, 0.0), Link(1e9, 0.0), memory_bandwidth=1e11)
+
+
+@pytest.fixture(scope="module")
+def registries():
+    return load_plugins().registries
+
+
+def predict(registries, tmp_path, parallelism=None, **sections):
+    raw = tiny_config(tmp_path, parallelism=parallelism or {}, **sections)
+    return predict_for(structure_config(raw, registries), registries, HW, "cpu")
+
+
+# tiny LLaMA: hidden 32, intermediate 64, 4 heads of 8, 2 kv heads, 4 layers, vocab 64 (untied)
+H, FF, L, V = 32, 64, 4, 64
+LAYER_MATMUL = H * H + 2 * H * 16 + H * H + 3 * H * FF  # q, k and v (2 kv heads of 8), o, gate/up/down
+TOKENS, SEQ, M = 16, 16, 4  # micro-batch 1 x sequence 16, 4 micro-batches
+
+
+def test_one_process_is_three_passes_of_matmuls_and_attention_at_the_peak(registries, tmp_path):
+    p = predict(registries, tmp_path)
+    matmul = 2 * TOKENS * (L * LAYER_MATMUL + V * H)  # the head is a matmul, the embedding a lookup
+    attention = L * 4 * H * SEQ * TOKENS * 0.5
+    assert p.term("compute") == pytest.approx(M * 3 * (matmul + attention) / PEAK)
+    for name in ("tensor_parallel", "context_parallel", "expert_parallel", "pipeline_p2p", "data_parallel"):
+        assert p.term(name) == 0.0, name
+    assert p.term("pipeline_bubble") == pytest.approx(0.0, abs=1e-15)
+    # AdamW: parameter and gradient in float32, two states, each read and written once
+    params = 2 * V * H + L * (LAYER_MATMUL + 2 * H) + H
+    assert p.term("optimizer") == pytest.approx(params * (2 * 4 + 4 + 2 * 4 * 2) / 1e11)
+    assert p.step_seconds == pytest.approx(sum(t.seconds for t in p.terms))
+    assert p.dominant == "compute"
+    assert p.tokens_per_sec_per_device == pytest.approx(M * TOKENS / p.step_seconds)
+    # MFU counts the model's own FLOPs per token (6 N + 12 layers x width x sequence), not the work above
+    with torch.device("meta"):
+        model = registries.model.get("llama").factory(structure_config(tiny_config(tmp_path), registries).model,
+                                                      vocab_multiple=1)  # fmt: skip
+    assert p.mfu == pytest.approx(model.flops_per_token(SEQ) * M * TOKENS / (p.step_seconds * PEAK))
+
+
+def test_tensor_parallel_adds_its_all_reduces_and_halves_the_matmuls(registries, tmp_path):
+    one = predict(registries, tmp_path)
+    tp2 = predict(registries, tmp_path, {"tp": 2, "tp_mode": "ALL_REDUCE"})
+    assert tp2.term("compute") == pytest.approx(one.term("compute") / 2)
+    size = TOKENS * H * 4
+    all_reduce = 2 * (size / 2 / 1e10)  # 2 (n-1) steps of size / n at 10 GB/s, n = 2
+    # per layer two forward and two backward; the embedding and the head one each way
+    assert tp2.term("tensor_parallel") == pytest.approx(M * (L * 4 + 2 * 2) * all_reduce)
+    rs = predict(registries, tmp_path, {"tp": 2, "tp_mode": "REDUCE_SCATTER"})
+    assert rs.term("tensor_parallel") == pytest.approx(tp2.term("tensor_parallel"))  # same bytes, other collectives
+    overlapped = predict(
+        registries, tmp_path, {"tp": 2, "tp_mode": "REDUCE_SCATTER", "tp_linear_async_communication": True}
+    )
+    assert overlapped.term("tensor_parallel") < rs.term("tensor_parallel")
+
+
+def test_a_pipeline_pays_its_bubble_as_the_simulator_counts_it(registries, tmp_path):
+    p = predict(registries, tmp_path, {"pp": 2, "pp_engine": "1f1b"})
+    message = TOKENS * H * 4 / 1e10
+    assert p.term("pipeline_p2p") == pytest.approx(M * 2 * message)
+    # 1F1B at pp2 with the heavier last stage (it holds the head): it works without a pause once its
+    # first forward arrives, so the step is F0 + m (F1 + B1) + B0 and the bubble F0 + B0 = 3 F0 (no
+    # recompute), where stage 0 runs the embedding (a lookup) and two layers, plus a message each way
+    layer = (2 * TOKENS * LAYER_MATMUL + 4 * H * SEQ * TOKENS * 0.5) / PEAK
+    assert p.term("pipeline_bubble") == pytest.approx(3 * 2 * layer + 2 * message)
+    assert p.step_seconds == pytest.approx(sum(t.seconds for t in p.terms))
+    zb = predict(registries, tmp_path, {"pp": 2, "pp_engine": "zb1p"})
+    assert zb.term("pipeline_bubble") < p.term("pipeline_bubble")
+
+
+def test_recompute_data_parallel_and_zero3_cost_what_they_move(registries, tmp_path):
+    one = predict(registries, tmp_path)
+    full = predict(registries, tmp_path, {"recompute_granularity": "full"})
+    layers = full.term("recompute") / (one.term("compute") / 3)
+    assert 0.8 < layers < 1.0  # the decoder layers' forward again: all of the forward but the head
+    dp2 = predict(registries, tmp_path, {"dp": 2})
+    assert dp2.term("data_parallel") > 0
+    zero3 = predict(registries, tmp_path, {"dp": 2}, optimizer={"zero_stage": 3})
+    zero1 = predict(registries, tmp_path, {"dp": 2}, optimizer={"zero_stage": 1})
+    assert zero1.term("optimizer") == pytest.approx(dp2.term("optimizer") / 2, rel=0.02)  # half the rows each
+    assert zero3.term("data_parallel") >= zero1.term("data_parallel")
+
+
+def test_context_parallel_modes_cost_their_own_exchanges(registries, tmp_path):
+    ring = predict(registries, tmp_path, {"context_parallel_size": 2})
+    a2a = predict(registries, tmp_path, {"context_parallel_size": 2, "context_parallel_mode": "all_to_all"})
+    assert ring.term("compute") == pytest.approx(a2a.term("compute"))
+    # all_to_all: queries, keys + values, output, forward and backward, per layer: (n-1) steps of size / n
+    q, kv = TOKENS / 2 * H * 4, TOKENS / 2 * 2 * 16 * 4
+    swap = sum(x / 2 / 1e10 for x in (q, kv, q))
+    assert a2a.term("context_parallel") == pytest.approx(M * L * 2 * swap)
+    # ring: one key/value block sent forward, it and its gradient backward, less the attention they hide behind
+    attention = 4 * H * SEQ * (TOKENS / 2) * 0.5 / PEAK
+    exposed = max(0.0, kv / 1e10 - attention) + max(0.0, 2 * kv / 1e10 - 2 * attention)
+    assert ring.term("context_parallel") == pytest.approx(M * L * exposed) and exposed > 0
+
+
+def test_plan_prints_the_prediction_and_its_json_carries_the_three_figures(tmp_path):
+    raw = tiny_config(tmp_path, parallelism={"dp": 2, "tp": 2})
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    hw = tmp_path / "hw.yaml"
+    hw.write_text(hardware_to_yaml(HW))
+    cmd = [sys.executable, "-m", "nanocore", "plan", str(config), "--world-size", "4", "--device", "cpu"]
+    out = subprocess.run([*cmd, "--hardware", str(hw), "--json"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["predicted_step_seconds"] > 0
+    assert data["predicted_tokens_per_sec_per_device"] == pytest.approx(
+        2 * M * TOKENS / data["predicted_step_seconds"] / 4
+    )
+    assert 0 < data["predicted_mfu"] < 1
+    assert {t["name"] for t in data["prediction"]["terms"]} >= {"compute", "tensor_parallel", "data_parallel"}
+    assert data["fit"]["fits"]  # the description's memory is the device memory
+    text = subprocess.run([*cmd, "--hardware", "h100-sxm"], capture_output=True, text=True, cwd=REPO)
+    assert text.returncode == 0, text.stderr
+    assert "predicted on h100-sxm" in text.stdout and "dominant cost:" in text.stdout
+    bad = subprocess.run([*cmd, "--hardware", "h300"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "neither a shipped name" in bad.stderr
+    assert TINY_MODEL["hidden_size"] == H

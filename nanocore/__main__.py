@@ -1,3 +1,4 @@
 from nanocore.commands.cli import main
 
-main()
+if __name__ == "__main__":  # spawned processes (nanocore calibrate) import this module again
+    main()

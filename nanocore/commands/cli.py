@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nanocore import __version__
-from nanocore.commands import checkpoint, convert, generate, pipeline_sim, plan  # light: torch comes when one runs
+from nanocore.commands import (  # light: torch comes when one runs
+    calibrate,
+    checkpoint,
+    convert,
+    generate,
+    pipeline_sim,
+    plan,
+)
 from nanocore.errors import NanocoreError
 from nanocore.log_setup import rank, setup_logging
 from nanocore.plugins import add_plugin_argument
@@ -150,6 +157,9 @@ def build_parser(plugin_commands: dict) -> argparse.ArgumentParser:
     p = checkpoint_commands.add_parser("verify", help=checkpoint.VERIFY_HELP)
     checkpoint.add_verify_arguments(p)
     p.set_defaults(func=checkpoint.cmd_verify)
+    p = sub.add_parser("calibrate", help=calibrate.HELP)
+    calibrate.add_arguments(p)
+    p.set_defaults(func=calibrate.cmd_calibrate)
     p = sub.add_parser("pipeline-sim", help=pipeline_sim.HELP)
     pipeline_sim.add_arguments(p)
     p.set_defaults(func=pipeline_sim.cmd_pipeline_sim)

@@ -1,0 +1,264 @@
+"""`nanocore calibrate --world-size N --output FILE`: measure the machine at hand and write a hardware
+description (nanocore/hardware.py) that `nanocore plan --hardware FILE` and `general.hardware` read.
+
+It starts N processes on this machine (gloo on CPU, NCCL on GPUs: one per device) and, all ranks at
+once as in training, measures:
+
+- matmul throughput over square and training-shaped matmuls in each dtype (float32; bfloat16 too on
+  GPU, or with --dtypes): the peak is the best rate, the efficiency curve each size's rate over it,
+  the slowest rank's (synchronous training waits for it);
+- all-reduce time over message sizes: the latency from the smallest (t / (2 (n-1))), the bus bandwidth
+  from the slope between the smallest and the largest (2 (n-1) / n bytes per byte reduced);
+- a large copy for the memory bandwidth, and the device memory (on CPU: the RAM over N).
+
+A single machine has no inter-node link: inter_node repeats intra_node's figures (edit it for a
+cluster, or use a shipped description). Run it on a quiet machine: what another job takes, the
+figures lose. On CPU each rank uses `--threads` threads (default: the cores over N), as a run of N
+processes on this machine would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import math
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nanocore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nanocore.hardware import Hardware
+
+HELP = "measure this machine (matmuls, collectives, memory) and write a hardware description for plan --hardware"
+
+SQUARE = (64, 128, 256, 512, 1024, 2048)
+GPU_SQUARE = (256, 512, 1024, 2048, 4096, 8192)
+MESSAGE_BYTES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
+GPU_MESSAGE_BYTES = tuple(2**k for k in range(14, 29, 2))  # 16 KiB .. 256 MiB
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, required=True, help="processes to start (devices on a GPU node)")
+    p.add_argument("--output", required=True, help="the hardware YAML to write")
+    p.add_argument("--name", default=None, help="the description's name (default: this host's name)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: cores / N)")
+    p.add_argument("--dtypes", default=None, help="comma-separated matmul dtypes (default: float32; GPU adds bf16)")
+    p.add_argument("--seconds", type=float, default=0.05, help="least time spent on each measured size")
+
+
+def _time(fn: Callable[[], object], seconds: float, sync: Callable[[], None]) -> float:
+    """Best time of one call of `fn`, repeating for at least `seconds` (and at least 3 times)."""
+    fn()
+    sync()
+    best, spent, calls = float("inf"), 0.0, 0
+    while calls < 3 or spent < seconds:
+        start = time.perf_counter()
+        fn()
+        sync()
+        took = time.perf_counter() - start
+        best, spent, calls = min(best, took), spent + took, calls + 1
+        if calls >= 200:
+            break
+    return best
+
+
+def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    try:
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(args["threads"])
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+        def sync() -> None:
+            if cuda:
+                torch.cuda.synchronize(device)
+
+        out: dict[str, Any] = {"matmul": {}, "all_reduce": [], "copy": 0.0}
+        sizes = GPU_SQUARE if cuda else SQUARE
+        rows = (1024, 4096, 16384) if cuda else (256, 1024)  # tokens of a micro-batch
+        shapes = [(n, n, n) for n in sizes] + [(m, k, f * k) for m in rows for k in sizes[:-1] for f in (1, 4)]
+        for dtype_name in args["dtypes"]:
+            dtype = getattr(torch, dtype_name)
+            points = []
+            for m, k, n in shapes:
+                if not cuda and dtype != torch.float32 and m * k * n > 256**3:
+                    continue  # low-precision matmuls on a CPU are slow: small shapes tell enough
+                a = torch.randn(m, k, device=device).to(dtype)
+                b = torch.randn(k, n, device=device).to(dtype)
+                dist.barrier()
+                took = _time(functools.partial(torch.mm, a, b), args["seconds"], sync)
+                points.append([2.0 * m * k * n, 2.0 * m * k * n / took])
+            out["matmul"][dtype_name] = points
+            if rank == 0:
+                print(f"calibrate: matmuls in {dtype_name} measured ({len(points)} shapes)", file=sys.stderr)
+        for size in GPU_MESSAGE_BYTES if cuda else MESSAGE_BYTES:
+            x = torch.ones(size // 4, device=device)
+            dist.barrier()
+            out["all_reduce"].append([float(size), _time(functools.partial(dist.all_reduce, x), args["seconds"], sync)])
+        if rank == 0:
+            print(f"calibrate: all-reduce over {world} process(es) measured", file=sys.stderr)
+        big = torch.empty(2**26 if cuda else 2**24, device=device)  # 256 MiB / 64 MiB of float32
+        dest = torch.empty_like(big)
+        dist.barrier()
+        out["copy"] = 2 * big.numel() * 4 / _time(lambda: dest.copy_(big), args["seconds"], sync)
+        out["memory"] = torch.cuda.get_device_properties(device).total_memory if cuda else None
+        out["device"] = torch.cuda.get_device_name(device) if cuda else (platform.processor() or platform.machine())
+        out["backend"] = "nccl" if cuda else "gloo"
+        results.put((rank, out))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as exc:  # the parent reports it; a silent death would hang it
+        results.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
+        raise
+
+
+def _fit_all_reduce(points: list[list[float]], world: int) -> tuple[float, float]:
+    """(bus bandwidth bytes/s, latency s) of t(S) = 2 (n-1) (latency + S / n / bandwidth)."""
+    (s0, t0), (s1, t1) = points[0], points[-1]
+    steps = 2 * max(world - 1, 1)
+    slope = max((t1 - t0) / (s1 - s0), 1e-15)  # seconds per byte reduced
+    bandwidth = steps / max(world, 2) / slope
+    latency = max(t0 - slope * s0, 0.0) / steps
+    return bandwidth, latency
+
+
+def _total_ram() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def measure(world: int, threads: int, dtypes: list[str], seconds: float) -> list[dict[str, Any]]:
+    """Each rank's raw measurements (see the module docstring), in rank order."""
+    import queue
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        args = {"threads": threads, "dtypes": dtypes, "seconds": seconds}
+        procs = [
+            ctx.Process(target=_rank, args=(r, world, str(Path(tmp) / "store"), args, results)) for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        got: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + 1800
+        while len(got) < world:
+            try:
+                rank, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    for p in procs:
+                        p.kill()
+                    why = f"exit code {dead[0]}" if dead else "no answer in 30 minutes"
+                    raise ConfigError(f"calibrate: a process failed ({why})") from None
+                continue
+            if "error" in value:
+                for p in procs:
+                    p.kill()
+                raise ConfigError(f"calibrate: rank {rank} failed: {value['error']}")
+            got[rank] = value
+        for p in procs:
+            p.join(60)
+    return [got[r] for r in range(world)]
+
+
+def _mean_point(points: list[tuple[float, float]]) -> tuple[float, float]:
+    return sum(f for f, _ in points) / len(points), sum(e for _, e in points) / len(points)
+
+
+def describe(ranks: list[dict[str, Any]], world: int, threads: int, name: str) -> Hardware:
+    """The hardware description of the measurements (the slowest rank's figure for each)."""
+    from nanocore.hardware import Hardware, Link
+
+    peaks: dict[str, float] = {}
+    curve: list[tuple[float, float]] = []
+    for dtype in ranks[0]["matmul"]:
+        rates = [min(r["matmul"][dtype][i][1] for r in ranks) for i in range(len(ranks[0]["matmul"][dtype]))]
+        flops = [p[0] for p in ranks[0]["matmul"][dtype]]
+        peaks[dtype] = max(rates)
+        if dtype == "float32" or not curve:  # one curve: float32's where measured
+            bins: dict[int, list[tuple[float, float]]] = {}  # shapes within a factor of 2 of FLOPs: their mean
+            for f, rate in zip(flops, rates, strict=True):
+                bins.setdefault(round(math.log2(f)), []).append((f, rate / peaks[dtype]))
+            curve = [_mean_point(pts) for _, pts in sorted(bins.items())]
+    reduce_points = [[p[0], max(r["all_reduce"][i][1] for r in ranks)] for i, p in enumerate(ranks[0]["all_reduce"])]
+    bandwidth, latency = _fit_all_reduce(reduce_points, world)
+    link = Link(bandwidth, latency)
+    cuda = ranks[0]["memory"] is not None
+    memory = int(ranks[0]["memory"]) if cuda else _total_ram() // max(world, 1)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    import torch
+
+    per = "" if cuda else f", {threads} thread(s) each"
+    source = (
+        f"nanocore calibrate on {socket.gethostname()} ({ranks[0]['device']}), {when}, torch {torch.__version__}, "
+        f"{world} process(es) over {ranks[0]['backend']}{per}. inter_node repeats intra_node: one machine has no "
+        "inter-node link."
+    )
+    return Hardware(
+        name=name,
+        source=source,
+        peak_flops=peaks,
+        memory_bytes=memory,
+        devices_per_node=world,
+        intra_node=link,
+        inter_node=link,
+        memory_bandwidth=min(r["copy"] for r in ranks),
+        matmul_efficiency=tuple((float(f), float(e)) for f, e in curve),
+    )
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from nanocore.hardware import hardware_to_yaml, load_hardware
+
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size: at least 1, got {args.world_size}")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda and args.world_size > torch.cuda.device_count():
+        raise ConfigError(f"--world-size: {args.world_size} processes but {torch.cuda.device_count()} GPU(s) here")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.world_size)
+    dtypes = args.dtypes.split(",") if args.dtypes else (["float32", "bfloat16"] if cuda else ["float32"])
+    for d in dtypes:
+        if d not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtypes: {d!r} is not one of float32, bfloat16, float16")
+    output = Path(args.output)
+    if not output.parent.exists():
+        raise ConfigError(f"--output: the folder {output.parent} does not exist")
+    print(f"calibrate: {args.world_size} process(es), measuring (about a minute)", file=sys.stderr)
+    ranks = measure(args.world_size, threads, dtypes, args.seconds)
+    hw = describe(ranks, args.world_size, threads, args.name or socket.gethostname())
+    raw = {"matmul_flops_per_s": ranks[0]["matmul"], "all_reduce_seconds": [r["all_reduce"] for r in ranks]}
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text(hardware_to_yaml(hw, measured=raw))
+    load_hardware(str(tmp))  # what it wrote reads back
+    tmp.replace(output)
+    print(
+        f"calibrate: wrote {output}: peak {', '.join(f'{k} {v / 1e9:.1f} GFLOP/s' for k, v in hw.peak_flops.items())}; "
+        f"all-reduce bus bandwidth {hw.intra_node.bandwidth / 1e9:.2f} GB/s, "
+        f"latency {hw.intra_node.latency * 1e6:.1f} us; "
+        f"memory bandwidth {(hw.memory_bandwidth or 0) / 1e9:.1f} GB/s",
+        file=sys.stderr,
+    )
+    return 0

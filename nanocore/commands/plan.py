@@ -39,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="predict the step time on this hardware (a100-80gb, h100-sxm, h200, or a calibrate file)",
     )
     p.add_argument(
+        "--search",
+        action="store_true",
+        help="rank every layout on --world-size devices that passes the checks and fits, by predicted speed",
+    )
+    p.add_argument("--top", type=int, default=5, help="with --search: how many layouts to show (default 5)")
+    p.add_argument(
         "--expert-load-factor",
         type=float,
         default=1.0,
@@ -87,6 +93,8 @@ def gib(n: int | None) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     from nanocore.config.load import load_config
 
+    if args.search:
+        return cmd_search(args)
     loaded = load_config(args.config, args.plugin, world_size=args.world_size, overrides=args.overrides)
     config = loaded.config
     plan = plan_for(config, loaded.plugins.registries, args.device)
@@ -148,3 +156,71 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"{'unknown' if largest is None else largest}"
         )
     return 0
+
+
+def _hardware_for_search(args: argparse.Namespace, config_hardware: str | None) -> str:
+    name = args.hardware or config_hardware
+    if name is None:
+        raise ConfigError(
+            "--hardware: --search predicts step times; name a description (a100-80gb, h100-sxm, h200, "
+            "or a nanocore calibrate file) or set general.hardware"
+        )
+    return name
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from nanocore.config.load import load_config
+    from nanocore.plan_search import search
+
+    if args.world_size is None or args.world_size < 1:
+        raise ConfigError("--world-size: --search needs the number of devices to lay the model out on")
+    if args.top < 1:
+        raise ConfigError(f"--top: at least 1, got {args.top}")
+    if args.expert_load_factor < 1.0:
+        raise ConfigError(f"--expert-load-factor: at least 1 (the balanced share), got {args.expert_load_factor}")
+    loaded = load_config(args.config, args.plugin, world_size=None, overrides=args.overrides)
+    config = loaded.config
+    hardware = load_hardware(_hardware_for_search(args, config.general.hardware))
+    device_bytes = parse_bytes(args.device_memory) if args.device_memory else hardware.memory_bytes
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    result = search(
+        config,
+        loaded.plugins.registries,
+        args.world_size,
+        hardware,
+        device_bytes,
+        device=args.device,
+        top=args.top,
+        expert_load_factor=args.expert_load_factor,
+        progress=progress,
+    )
+    if args.json:
+        json.dump(attrs.asdict(result), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0 if result.best else 1
+    print(
+        f"{result.enumerated} layouts of {args.config} on {result.world_size} x {result.hardware} "
+        f"({gib(result.device_memory_bytes)} GiB): {result.passed_checks} pass the config checks and are predicted, "
+        f"the {result.planned} fastest planned; {result.seconds:.1f} s"
+    )
+    if result.best:
+        print(f"{'':>2} {'tokens/s/dev':>12} {'MFU':>6} {'step s':>8} {'GiB':>6}  {'dominant':<16} layout")
+    for i, r in enumerate(result.best, 1):
+        p = r.prediction
+        print(
+            f"{i:>2} {p.tokens_per_sec_per_device:>12,.0f} {p.mfu:>6.1%} {p.step_seconds:>8.3g} "
+            f"{gib(r.memory_bytes):>6}  {p.dominant:<16} {r.layout.label()}"
+        )
+    if not result.best:
+        print("no layout fits")
+    for r in result.faster_misfits:
+        print(
+            f"faster but does not fit ({r.prediction.tokens_per_sec_per_device:,.0f} tokens/s/dev): "
+            f"{r.layout.label()}: {r.overflow}"
+        )
+    for message, count in result.rejected[:3]:
+        print(f"rejected by the config checks ({count}): {message}")
+    return 0 if result.best else 1

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from nanocore.config import Config
 from nanocore.dtypes import resolve_dtype_name
@@ -56,8 +57,9 @@ from nanocore.engine_api import MemoryPlan, PlannedLayout, RankPlan
 from nanocore.model_api import is_hidden_matrix
 from nanocore.pipeline_api import Action
 from nanocore.pipeline_sim import simulate
-from nanocore.registry import Registries
+from nanocore.registry import Entry, Registries
 from nanocore.sharding import get_placement, row_share
+from nanocore.tp_api import TPMode
 
 from .build import keep_rank_part, meta_model
 from .expert_parallel import is_expert
@@ -65,6 +67,32 @@ from .tensor_parallel import PlannedGroup
 from .tensor_parallel import parallelize as tp_parallelize
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+_RANK_PARTS: dict[tuple[object, ...], tuple[nn.Module, dict[str, float] | None, list[list[list[str]]]]] = {}
+
+
+def _rank_part(
+    config: Config, model_entry: Entry, tp_mode: TPMode | None, schedule: object, pp_rank: int, tp_rank: int
+) -> tuple[nn.Module, dict[str, float] | None, list[list[list[str]]]]:
+    """A pipeline and TP rank's part of the model on meta (read, never changed, by `plan`): the model,
+    its declared activation elements and its local chunks. Remembered: `nanocore plan --search` plans
+    layouts that differ only in what the model part does not depend on (ZeRO, batch, recompute, dp)."""
+    par = config.parallelism
+    tp, pp, ep = par.tp, par.pp, par.expert_parallel_size
+    key = (repr(config.model), tp, tp_rank, par.tp_mode, par.tp_linear_async_communication, pp, pp_rank)
+    key += (par.pp_virtual_stages, ep, par.pp_engine)
+    if key not in _RANK_PARTS:
+        if len(_RANK_PARTS) > 256:
+            _RANK_PARTS.clear()
+        model = meta_model(model_entry, config.model, vocab_multiple=config.model.make_vocab_size_divisible_by * tp)
+        declared = _activation_elements(model)
+        if tp > 1:
+            assert tp_mode is not None
+            tp_parallelize(model, model.tp_plan, PlannedGroup(tp, tp_rank), tp_mode, par.tp_linear_async_communication)
+        local_chunks, _ = keep_rank_part(model, pp, pp_rank, par.pp_virtual_stages, ep, 0, schedule)
+        _RANK_PARTS[key] = (model, declared, local_chunks)
+    return _RANK_PARTS[key]
 
 
 def plan(config: Config, registries: Registries, device: str = "cuda") -> MemoryPlan:
@@ -106,13 +134,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
     ranks = []
     for pp_rank in range(pp):
         for tp_rank in range(tp):
-            model = meta_model(model_entry, config.model, vocab_multiple=config.model.make_vocab_size_divisible_by * tp)
-            declared = _activation_elements(model)
-            if tp > 1:
-                tp_parallelize(
-                    model, model.tp_plan, PlannedGroup(tp, tp_rank), tp_mode, par.tp_linear_async_communication
-                )
-            local_chunks, _ = keep_rank_part(model, pp, pp_rank, par.pp_virtual_stages, ep, 0, schedule)
+            model, declared, local_chunks = _rank_part(config, model_entry, tp_mode, schedule, pp_rank, tp_rank)
             params = {id(p): p for p in model.parameters()}.values()
             param_bytes = sum(p.numel() for p in params) * dtype_bytes
             gathered = 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from nanocore import hookimpl
 from nanocore.config import Config
@@ -43,6 +44,21 @@ def check(config: Config, _args: object, registries=None) -> list[str]:
     return problems
 
 
+_CHECKED_MODELS: dict[tuple[str, str], nn.Module] = {}
+
+
+def _checked_model(model_entry, config: Config) -> nn.Module:
+    """The whole model on meta, read (never changed) by the checks; remembered per model config, since
+    `nanocore plan --search` checks thousands of layouts of one model."""
+    key = (model_entry.name, repr(config.model))
+    if key not in _CHECKED_MODELS:
+        if len(_CHECKED_MODELS) > 8:
+            _CHECKED_MODELS.clear()
+        with torch.device("meta"):
+            _CHECKED_MODELS[key] = model_entry.factory(config.model, vocab_multiple=1)
+    return _CHECKED_MODELS[key]
+
+
 def check_blocks(config: Config, model_entry) -> list[str]:
     """Checks that need the model itself (built on the meta device): pipeline blocks and experts."""
     par = config.parallelism
@@ -52,8 +68,7 @@ def check_blocks(config: Config, model_entry) -> list[str]:
     if chunks <= 1 and ep <= 1 and cp <= 1 and not masking and not selective:
         return []
     try:
-        with torch.device("meta"):
-            model = model_entry.factory(config.model, vocab_multiple=1)
+        model = _checked_model(model_entry, config)
         blocks = len(model.pipeline_blocks())
     except Exception:  # the model's own check reports a broken model config
         return []

@@ -28,7 +28,7 @@ model built on the meta device with the layout's TP (the same parameters the eng
 - data_parallel (`data_parallel_seconds`): the gradient all-reduce (ZeRO-2/3: reduce-scatter) over
   dp x cp, overlapped with the last micro-batch's backward (at least one bucket shows); ZeRO-1/2's
   all-gather of updated parameters after the step; ZeRO-3's gathers in every forward and backward,
-  overlapped with that compute;
+  overlapped with that compute but for each pass's first block;
 - optimizer (`optimizer_seconds`): the step reads and writes each updated element's parameter,
   gradient and states once at the memory bandwidth.
 
@@ -38,6 +38,7 @@ at the intra-node link while a group's ranks fit in one node (tp innermost, then
 
 from __future__ import annotations
 
+import functools
 import math
 
 import attrs
@@ -71,7 +72,7 @@ class Matmul:
     active: float  # the share of tokens that use it (k / E for an expert)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Block:
     """A pipeline block's costs per token: its matmuls, whether it holds an attention core, its
     trainable elements (dense and expert)."""
@@ -95,8 +96,22 @@ class Inventory:
     top_k: float  # tokens' expert choices per MoE layer (0 for a dense model)
 
 
+_INVENTORIES: dict[tuple[str, ...], Inventory] = {}  # a search asks for the same few thousands of times
+
+
 def inventory(config: Config, registries: Registries, tp: int) -> Inventory:
-    """Read the model's blocks at tensor-parallel size `tp` off a meta model (see the module docstring)."""
+    """Read the model's blocks at tensor-parallel size `tp` off a meta model (see the module docstring);
+    remembered per model config, tp and TP mode (`nanocore plan --search` asks again for every layout)."""
+    par = config.parallelism
+    key = (repr(config.model), str(tp), par.tp_mode, str(par.tp_linear_async_communication))
+    if key not in _INVENTORIES:
+        if len(_INVENTORIES) > 64:
+            _INVENTORIES.clear()
+        _INVENTORIES[key] = _read_inventory(config, registries, tp)
+    return _INVENTORIES[key]
+
+
+def _read_inventory(config: Config, registries: Registries, tp: int) -> Inventory:
     entry = registries.model.get(config.model.model_type)
     model = meta_model(entry, config.model, vocab_multiple=config.model.make_vocab_size_divisible_by * tp)
     declared = model.activation_elements_per_token() if hasattr(model, "activation_elements_per_token") else None
@@ -110,6 +125,7 @@ def inventory(config: Config, registries: Registries, tp: int) -> Inventory:
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     moe = set(moe_layers(model))
     blocks_out = []
+    alike: dict[Block, Block] = {}
     hidden = 0
     top_k = 0.0
     for block in model.pipeline_blocks():
@@ -137,7 +153,8 @@ def inventory(config: Config, registries: Registries, tp: int) -> Inventory:
                         top_k = max(top_k, fraction * experts)
                     matmuls.append(Matmul(p.numel(), experts, fraction))
         attention = any(".layers." in name or name.startswith("layers.") for name in block)
-        blocks_out.append(Block(tuple(matmuls), attention, is_moe, params, expert_params))
+        made = Block(tuple(matmuls), attention, is_moe, params, expert_params)
+        blocks_out.append(alike.setdefault(made, made))  # alike layers: one object, costed once by `predict`
     return Inventory(
         blocks=tuple(blocks_out),
         hidden=hidden,
@@ -298,7 +315,14 @@ def _dp_stride(lay: Layout) -> int:
 
 
 def data_parallel_seconds(
-    params: int, expert_params: int, lay: Layout, hw: Hardware, last_backward: float, compute: float, bucket: float
+    params: int,
+    expert_params: int,
+    lay: Layout,
+    hw: Hardware,
+    last_backward: float,
+    compute: float,
+    bucket: float,
+    blocks: int = 1,
 ) -> tuple[float, str]:
     """Exposed seconds of the data-parallel traffic of a rank holding `params` dense and `expert_params`
     expert elements (before ep), and the detail."""
@@ -318,7 +342,9 @@ def data_parallel_seconds(
     if lay.zero in (1, 2):
         exposed += gather  # updated rows back to every replica, after the step
     if lay.zero == 3:
-        exposed += max(0.0, 2 * lay.microbatches * gather - compute)  # prefetched beside every forward and backward
+        # prefetched beside every forward and backward, but each pass's first block waits for its gather
+        first = hw.collective_seconds("all_gather", param_bytes / max(blocks, 1), dcp, stride)
+        exposed += max(2 * lay.microbatches * first, 2 * lay.microbatches * gather - compute)
     detail = f"{reduce} of {(dense_grads + expert_grads) / 2**20:.1f} MiB over {dcp} ranks; ZeRO {lay.zero}"
     return exposed, detail
 
@@ -333,6 +359,30 @@ def optimizer_seconds(params: int, expert_params: int, lay: Layout, hw: Hardware
     updated = params / (dcp if sharded else 1) + expert_params / lay.ep / (edp if sharded else 1)
     per_element = 2 * lay.dtype_bytes + lay.grad_bytes + 2 * 4 * lay.states + (8 if lay.dtype_bytes != 4 else 0)
     return updated * per_element / hw.memory_bandwidth
+
+
+_FLOPS: dict[tuple[str, int], float] = {}
+
+
+@functools.lru_cache(maxsize=256)
+def _partition(blocks: int, parts: int) -> list[list[list[str]]]:
+    """The engine's partition of `blocks` blocks (named by index) into `parts` chunks."""
+    return partition([[str(i)] for i in range(blocks)], parts)
+
+
+_MAKESPANS: dict[tuple[object, ...], float] = {}
+
+
+def _flops_per_token(config: Config, registries: Registries, sequence: int) -> float:
+    """The model's own FLOPs per token (no recompute), remembered per model config and sequence."""
+    key = (repr(config.model), sequence)
+    if key not in _FLOPS:
+        with torch.device("meta"):
+            whole = registries.model.get(config.model.model_type).factory(
+                config.model, vocab_multiple=config.model.make_vocab_size_divisible_by
+            )
+        _FLOPS[key] = float(whole.flops_per_token(sequence))
+    return _FLOPS[key]
 
 
 # -- the step ------------------------------------------------------------------------------------
@@ -353,26 +403,29 @@ def predict(
     lay = layout_of(config, registries, dtype, expert_load_factor)
     inv = inventory(config, registries, lay.tp)
     schedule = registries.pipeline_schedule.get(config.parallelism.pp_engine).factory(config)
-    chunks = partition([[str(i)] for i in range(len(inv.blocks))], lay.pp * lay.virtual)
+    chunks = _partition(len(inv.blocks), lay.pp * lay.virtual)
     p2p = pipeline_p2p_seconds(inv, lay, hw := hardware)
 
     per_rank = []
+    costs: dict[Block, dict[str, float]] = {}
     for rank in range(lay.pp):
         ids = [stage_of(schedule, c, rank, lay.pp, lay.virtual) for c in range(lay.virtual)]
         blocks = [inv.blocks[int(b[0])] for i in ids for b in chunks[i]]
         sums = dict.fromkeys(("mm", "att", "rec", "tpf", "tpb", "cpf", "cpb", "epf", "epb"), 0.0)
         params = expert_params = 0
         for blk in blocks:
-            sums["mm"] += matmul_seconds(blk, lay, hw)
-            sums["att"] += attention_seconds(blk, inv, lay, hw)
-            sums["rec"] += recompute_seconds(blk, inv, lay, hw)
-            for key, fn in (("tp", tensor_parallel_seconds), ("cp", context_parallel_seconds)):
-                f, b = fn(blk, inv, lay, hw)
-                sums[key + "f"] += f
-                sums[key + "b"] += b
-            f, b = expert_parallel_seconds(blk, inv, lay, hw)
-            sums["epf"] += f
-            sums["epb"] += b
+            if blk not in costs:  # decoder layers are alike: each distinct block costed once
+                tpf, tpb = tensor_parallel_seconds(blk, inv, lay, hw)
+                cpf, cpb = context_parallel_seconds(blk, inv, lay, hw)
+                epf, epb = expert_parallel_seconds(blk, inv, lay, hw)
+                costs[blk] = {
+                    "mm": matmul_seconds(blk, lay, hw),
+                    "att": attention_seconds(blk, inv, lay, hw),
+                    "rec": recompute_seconds(blk, inv, lay, hw),
+                    **{"tpf": tpf, "tpb": tpb, "cpf": cpf, "cpb": cpb, "epf": epf, "epb": epb},
+                }
+            for key, value in costs[blk].items():
+                sums[key] += value
             params += blk.params
             expert_params += blk.expert_params
         messages = lay.virtual * p2p
@@ -388,32 +441,41 @@ def predict(
                 "W": weight,
                 "params": params,
                 "expert_params": expert_params,
+                "blocks": len(blocks),
                 "p2p": 2 * messages,
             }
         )
     m = lay.microbatches
-    sim = simulate(
-        schedule,
-        lay.pp,
-        m,
-        lay.virtual,
-        t_forward=[r["F"] for r in per_rank],
-        t_backward=[r["B"] for r in per_rank],
-        t_input=[r["I"] for r in per_rank],
-        t_weight=[r["W"] for r in per_rank],
-        first_stage_whole=True,  # the executor runs the first stage's backward whole, in W
-    )
+    times = tuple(tuple(r[k] for r in per_rank) for k in ("F", "B", "I", "W"))
+    key = (config.parallelism.pp_engine, lay.pp, m, lay.virtual, times)
+    if key not in _MAKESPANS:  # layouts differing in what the pipeline does not see (ZeRO, cp mode) share it
+        if len(_MAKESPANS) > 4096:
+            _MAKESPANS.clear()
+        _MAKESPANS[key] = simulate(
+            schedule,
+            lay.pp,
+            m,
+            lay.virtual,
+            t_forward=times[0],
+            t_backward=times[1],
+            t_input=times[2],
+            t_weight=times[3],
+            first_stage_whole=True,  # the executor runs the first stage's backward whole, in W
+        ).makespan
+    makespan = _MAKESPANS[key]
     busy = [m * (r["F"] + r["B"]) for r in per_rank]
     critical = max(range(lay.pp), key=lambda i: busy[i])
     r = per_rank[critical]
     bucket = config.model.ddp_bucket_cap_mb * 2**20
     dp_times = [
-        data_parallel_seconds(int(x["params"]), int(x["expert_params"]), lay, hw, x["B"], busy[i], bucket)
+        data_parallel_seconds(
+            int(x["params"]), int(x["expert_params"]), lay, hw, x["B"], busy[i], bucket, int(x["blocks"])
+        )
         for i, x in enumerate(per_rank)
     ]
     dp_exposed, dp_detail = max(dp_times, key=lambda t: t[0])
     opt = max(optimizer_seconds(int(x["params"]), int(x["expert_params"]), lay, hw) for x in per_rank)
-    bubble = max(0.0, sim.makespan - busy[critical])
+    bubble = max(0.0, makespan - busy[critical])
     where = f"{m} micro-batches of {lay.tokens:g} tokens on stage rank {critical}"
     schedule_name = f"{config.parallelism.pp_engine}, {m} micro-batches, {lay.virtual} virtual stage(s)"
     terms = [
@@ -430,11 +492,7 @@ def predict(
     step = sum(t.seconds for t in terms)
     world = lay.dp * lay.tp * lay.pp * lay.cp
     global_tokens = lay.dp * config.tokens.micro_batch_size * m * lay.sequence
-    with torch.device("meta"):
-        whole = registries.model.get(config.model.model_type).factory(
-            config.model, vocab_multiple=config.model.make_vocab_size_divisible_by
-        )
-    flops = float(whole.flops_per_token(lay.sequence)) * global_tokens
+    flops = _flops_per_token(config, registries, lay.sequence) * global_tokens
     return TimePrediction(
         hardware=hardware.name,
         dtype=dtype,

@@ -102,6 +102,7 @@ def test_recompute_data_parallel_and_zero3_cost_what_they_move(registries, tmp_p
     zero1 = predict(registries, tmp_path, {"dp": 2}, optimizer={"zero_stage": 1})
     assert zero1.term("optimizer") == pytest.approx(dp2.term("optimizer") / 2, rel=0.02)  # half the rows each
     assert zero3.term("data_parallel") >= zero1.term("data_parallel")
+    assert zero3.term("data_parallel") > dp2.term("data_parallel")  # it moves the parameters besides
 
 
 def test_context_parallel_modes_cost_their_own_exchanges(registries, tmp_path):

@@ -1,0 +1,304 @@
+"""`nanocore plan CONFIG --search --world-size N`: every layout of a config on N devices that passes the
+config checks and fits in memory, ranked by predicted tokens/s per device.
+
+The config fixes the model, the sequence length and the global batch (dp x micro-batch x accumulation
+samples); the search varies everything else the engine offers: tp, pp and its schedule and virtual
+stages, cp and its mode, dp, ep, the ZeRO stage, the micro-batch size (accumulation follows from the
+global batch) and recompute. The registries say which schedules, TP modes and ZeRO stages exist; each
+schedule's own check says which virtual-stage counts it runs.
+
+How: each layout is checked (`check_config`, microseconds) and its step predicted (the engine's
+`predict`, about a millisecond once the model's inventory at that tp is read); then, fastest first,
+layouts are planned (the engine's `plan`, tens of milliseconds) until `top` fit. A faster layout that
+does not fit is reported with the rank and the term that overflows it. Layouts the checks reject are
+counted by their first message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import attrs
+
+from nanocore.config.checks import check_config
+from nanocore.engine_api import MemoryPlan, RankPlan, TimePrediction
+from nanocore.errors import ConfigError
+from nanocore.moe_api import moe_layers
+from nanocore.plan import plan_for, predict_for
+
+if TYPE_CHECKING:
+    from nanocore.config.schema import Config
+    from nanocore.hardware import Hardware
+    from nanocore.registry import Registries
+
+VIRTUAL_STAGES = (1, 2, 4)  # tried with every schedule: its own check says which it runs
+RECOMPUTE: tuple[str | None, ...] = (None, "selective", "full")
+LARGEST_MICRO_BATCH = 16
+
+
+@attrs.frozen
+class Layout:
+    """One point of the search: the config fields it sets."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    tp_mode: str
+    tp_async: bool
+    cp_mode: str
+    schedule: str
+    virtual: int
+    zero: int
+    micro_batch_size: int
+    accumulation: int
+    recompute: str | None
+
+    def label(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}"]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        words = [" ".join(parts)]
+        if self.tp > 1:
+            words.append(("RS" if self.tp_mode == "REDUCE_SCATTER" else "AR") + (" async" if self.tp_async else ""))
+        if self.pp > 1:
+            words.append(self.schedule + (f" v{self.virtual}" if self.virtual > 1 else ""))
+        if self.cp > 1:
+            words.append(self.cp_mode)
+        words.append(f"ZeRO-{self.zero}")
+        words.append(f"mbs {self.micro_batch_size} x {self.accumulation}")
+        words.append(f"recompute {self.recompute or 'off'}")
+        return ", ".join(words)
+
+    def apply(self, config: Config) -> Config:
+        par = attrs.evolve(
+            config.parallelism,
+            dp=self.dp,
+            tp=self.tp,
+            pp=self.pp,
+            context_parallel_size=self.cp,
+            expert_parallel_size=self.ep,
+            tp_mode=self.tp_mode,
+            tp_linear_async_communication=self.tp_async,
+            context_parallel_mode=self.cp_mode,
+            pp_engine=self.schedule,
+            pp_virtual_stages=self.virtual,
+            recompute_layer=False,
+            recompute_granularity=self.recompute,
+        )
+        tok = attrs.evolve(
+            config.tokens, micro_batch_size=self.micro_batch_size, batch_accumulation_per_replica=self.accumulation
+        )
+        opt = attrs.evolve(config.optimizer, zero_stage=self.zero)
+        return attrs.evolve(config, parallelism=par, tokens=tok, optimizer=opt)
+
+
+@attrs.frozen
+class Ranked:
+    """A layout with its predicted step and, once planned, its memory."""
+
+    layout: Layout
+    prediction: TimePrediction
+    memory_bytes: int | None = None  # the largest rank's peak (None: not planned)
+    fits: bool | None = None
+    overflow: str | None = None  # for a misfit: which rank and term, in words
+
+
+@attrs.frozen
+class SearchResult:
+    world_size: int
+    hardware: str
+    device_memory_bytes: int
+    enumerated: int
+    passed_checks: int
+    planned: int
+    seconds: float
+    best: list[Ranked]  # the fastest `top` that fit, fastest first
+    faster_misfits: list[Ranked]  # predicted faster than the first that fits, but over the memory
+    rejected: list[tuple[str, int]]  # the config checks' first messages and how many layouts each rejected
+    config_layout: Ranked | None  # the config's own layout, as predicted (and planned)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _experts(config: Config, registries: Registries) -> int:
+    """The fewest experts of the model's MoE layers (1 for a dense model: ep stays 1)."""
+    import torch
+
+    with torch.device("meta"):
+        model = registries.model.get(config.model.model_type).factory(
+            config.model, vocab_multiple=config.model.make_vocab_size_divisible_by
+        )
+    counts = [int(getattr(model.get_submodule(name), "num_experts", 1)) for name in moe_layers(model)]
+    return min(counts, default=1)
+
+
+def layouts(config: Config, registries: Registries, world_size: int, devices_per_node: int) -> Iterator[Layout]:
+    """Every layout of `config` on `world_size` devices (the checks have not looked at them yet); tensor
+    parallelism stays within a node (its collectives run per layer, twice each way: across nodes no peer
+    runs it)."""
+    samples = config.parallelism.dp * config.tokens.micro_batch_size * config.tokens.batch_accumulation_per_replica
+    schedules = sorted(registries.pipeline_schedule.names())
+    tp_modes = [(m, False) for m in sorted(registries.tp_mode.names())]
+    if "REDUCE_SCATTER" in registries.tp_mode.names():
+        tp_modes.append(("REDUCE_SCATTER", True))
+    zeros = sorted(int(z) for z in registries.zero_stage.names())
+    layers = config.model.num_hidden_layers if hasattr(config.model, "num_hidden_layers") else None
+    experts = _experts(config, registries)
+    for tp in [t for t in _divisors(world_size) if t <= devices_per_node]:
+        for pp in _divisors(world_size // tp):
+            if layers is not None and pp > layers:
+                continue
+            for cp in _divisors(world_size // tp // pp):
+                dp = world_size // tp // pp // cp
+                if samples % dp:
+                    continue
+                per_replica = samples // dp
+                for ep in [e for e in _divisors(dp * cp) if experts % e == 0]:
+                    for mode, tp_async in tp_modes if tp > 1 else [(config.parallelism.tp_mode, False)]:
+                        for cp_mode in (
+                            ("ring", "all_to_all") if cp > 1 else (config.parallelism.context_parallel_mode,)
+                        ):
+                            for schedule in schedules if pp > 1 else [config.parallelism.pp_engine]:
+                                for virtual in VIRTUAL_STAGES if pp > 1 else (1,):
+                                    for zero in zeros:
+                                        for mbs in _divisors(per_replica):
+                                            if mbs > LARGEST_MICRO_BATCH:
+                                                break
+                                            if mbs & (mbs - 1):
+                                                continue  # powers of two
+                                            for recompute in RECOMPUTE:
+                                                yield Layout(
+                                                    dp,
+                                                    tp,
+                                                    pp,
+                                                    cp,
+                                                    ep,
+                                                    mode,
+                                                    tp_async,
+                                                    cp_mode,
+                                                    schedule,
+                                                    virtual,
+                                                    zero,
+                                                    mbs,
+                                                    per_replica // mbs,
+                                                    recompute,
+                                                )
+
+
+def overflow(rank: RankPlan, device_bytes: int) -> str:
+    """Which term of a rank that does not fit is the largest, in words."""
+    terms = {
+        "parameters": rank.params_bytes,
+        "gradients": rank.grads_bytes,
+        "optimizer states": rank.optimizer_bytes or 0,
+        "activations": rank.activations_bytes or 0,
+        "communication buffers": rank.comm_bytes,
+        "optimizer-step temporaries": rank.optimizer_step_bytes,
+    }
+    name, size = max(terms.items(), key=lambda kv: kv[1])
+    return (
+        f"rank {rank.rank} needs {rank.total_bytes / 2**30:.1f} GiB of {device_bytes / 2**30:.1f}; "
+        f"{name} the largest term ({size / 2**30:.1f} GiB)"
+    )
+
+
+def _plan(config: Config, registries: Registries, device: str) -> MemoryPlan:
+    plan = plan_for(config, registries, device)
+    if plan is None:
+        raise ConfigError(f"parallelism.engine: engine {config.parallelism.engine!r} offers no memory planner")
+    return plan
+
+
+def _rank_key(r: Ranked) -> tuple[float, int, int, int, int, int, int, int]:
+    """Fastest first; among equally fast layouts, the simpler one (less sharding, fewer axes, no
+    recompute, fewer micro-batches)."""
+    lay = r.layout
+    return (
+        -r.prediction.tokens_per_sec_per_device,
+        lay.zero,
+        lay.cp,
+        lay.pp,
+        lay.ep,
+        lay.tp,
+        RECOMPUTE.index(lay.recompute),
+        lay.accumulation,
+    )
+
+
+def search(
+    config: Config,
+    registries: Registries,
+    world_size: int,
+    hardware: Hardware,
+    device_bytes: int,
+    *,
+    device: str = "cuda",
+    top: int = 5,
+    expert_load_factor: float = 1.0,
+    progress: Callable[[str], None] | None = None,
+) -> SearchResult:
+    """Search the layouts of `config` on `world_size` devices of `hardware` (see the module docstring)."""
+    start = time.monotonic()
+    last = start
+    rejected: Counter[str] = Counter()
+    predicted: list[Ranked] = []
+    enumerated = 0
+    for layout in layouts(config, registries, world_size, hardware.devices_per_node):
+        enumerated += 1
+        candidate = layout.apply(config)
+        try:
+            check_config(candidate, registries, world_size)
+        except ConfigError as exc:
+            rejected[str(exc).splitlines()[0]] += 1
+            continue
+        prediction = predict_for(candidate, registries, hardware, device, expert_load_factor)
+        if prediction is None:
+            raise ConfigError(f"parallelism.engine: engine {config.parallelism.engine!r} offers no time model")
+        predicted.append(Ranked(layout, prediction))
+        if progress is not None and time.monotonic() - last > 5:
+            last = time.monotonic()
+            progress(f"search: {enumerated} layouts enumerated, {len(predicted)} pass the checks and are predicted")
+    predicted.sort(key=_rank_key)
+    best: list[Ranked] = []
+    misfits: list[Ranked] = []
+    planned = 0
+    for ranked in predicted:
+        if len(best) >= top:
+            break
+        plan = _plan(ranked.layout.apply(config), registries, device)
+        planned += 1
+        largest = plan.largest()
+        fits = largest.total_bytes <= device_bytes
+        done = attrs.evolve(
+            ranked,
+            memory_bytes=largest.total_bytes,
+            fits=fits,
+            overflow=None if fits else overflow(largest, device_bytes),
+        )
+        if fits:
+            best.append(done)
+        elif not best and len(misfits) < 3:
+            misfits.append(done)
+        if progress is not None and time.monotonic() - last > 5:
+            last = time.monotonic()
+            progress(f"search: {planned} of the fastest layouts planned, {len(best)} fit")
+    return SearchResult(
+        world_size=world_size,
+        hardware=hardware.name,
+        device_memory_bytes=device_bytes,
+        enumerated=enumerated,
+        passed_checks=len(predicted),
+        planned=planned,
+        seconds=time.monotonic() - start,
+        best=best,
+        faster_misfits=misfits,
+        rejected=rejected.most_common(),
+        config_layout=None,
+    )

@@ -1,0 +1,108 @@
+"""`nanocore plan --search` (nanocore/plan_search.py) with the `nd` engine's planner and time model:
+what it ranks first is the fastest layout that passes the checks and fits (checked by planning every
+layout), each row is what `plan --hardware` says of that layout, a faster misfit names its overflowing
+term, and the command's errors come before any work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from nanocore.config.checks import check_config
+from nanocore.config.converter import structure_config
+from nanocore.errors import ConfigError
+from nanocore.hardware import Hardware, Link, hardware_to_yaml
+from nanocore.plan import plan_for, predict_for
+from nanocore.plan_search import layouts, search
+from nanocore.plugins import load_plugins
+from tests.helpers.launch import REPO
+from tests.helpers.training import tiny_config
+
+# a machine where communication costs something (so layouts differ), 4 devices per node
+HW = Hardware("test-box", "test", {"float32": 1e11}, 2**30, 4, Link(2e9, 2e-5), Link(2e8, 1e-4), memory_bandwidth=2e10)
+
+
+@pytest.fixture(scope="module")
+def registries():
+    return load_plugins().registries
+
+
+def config_of(tmp_path, registries, **sections):
+    raw = tiny_config(tmp_path, **sections)
+    raw["tokens"]["batch_accumulation_per_replica"] = 8
+    return structure_config(raw, registries)
+
+
+def test_the_first_choice_is_the_fastest_layout_that_passes_the_checks_and_fits(tmp_path, registries):
+    config = config_of(tmp_path, registries)
+    result = search(config, registries, 4, HW, HW.memory_bytes, device="cpu", top=3)
+    assert result.best and len(result.best) == 3 and not result.faster_misfits
+    speeds = [r.prediction.tokens_per_sec_per_device for r in result.best]
+    assert speeds == sorted(speeds, reverse=True)
+    # brute force: every layout checked and predicted; the best one's speed is the first choice's
+    fastest = 0.0
+    count = 0
+    for layout in layouts(config, registries, 4, HW.devices_per_node):
+        candidate = layout.apply(config)
+        try:
+            check_config(candidate, registries, 4)
+        except ConfigError:
+            continue
+        count += 1
+        fastest = max(fastest, predict_for(candidate, registries, HW, "cpu").tokens_per_sec_per_device)
+    assert count == result.passed_checks > 50
+    assert speeds[0] == pytest.approx(fastest)
+    for row in result.best:  # each row is what plan --hardware says of that layout
+        candidate = row.layout.apply(config)
+        again = predict_for(candidate, registries, HW, "cpu")
+        assert row.prediction.step_seconds == pytest.approx(again.step_seconds)
+        assert row.memory_bytes == plan_for(candidate, registries, "cpu").largest().total_bytes
+        assert row.fits and row.memory_bytes <= HW.memory_bytes
+    assert result.enumerated > result.passed_checks and result.rejected  # the checks turned some away
+
+
+def test_a_faster_layout_that_does_not_fit_says_which_term_overflows(tmp_path, registries):
+    config = config_of(tmp_path, registries)
+    roomy = search(config, registries, 4, HW, HW.memory_bytes, device="cpu", top=40)
+    sizes = sorted({r.memory_bytes for r in roomy.best})
+    assert len(sizes) > 1
+    tight = sizes[0]  # only the leanest of those layouts fits now
+    result = search(config, registries, 4, HW, tight, device="cpu", top=1)
+    assert result.best and result.best[0].memory_bytes <= tight
+    assert result.faster_misfits
+    for misfit in result.faster_misfits:
+        assert not misfit.fits and misfit.memory_bytes > tight
+        assert misfit.prediction.tokens_per_sec_per_device >= result.best[0].prediction.tokens_per_sec_per_device
+        assert "GiB of" in misfit.overflow and "the largest term" in misfit.overflow
+
+
+def test_plan_search_command_prints_the_table_and_json(tmp_path):
+    config = tmp_path / "c.yaml"
+    raw = tiny_config(tmp_path)
+    raw["tokens"]["batch_accumulation_per_replica"] = 8
+    config.write_text(yaml.safe_dump(raw))
+    hw = tmp_path / "hw.yaml"
+    hw.write_text(hardware_to_yaml(HW))
+    cmd = [sys.executable, "-m", "nanocore", "plan", str(config), "--search", "--device", "cpu"]
+    out = subprocess.run([*cmd, "--world-size", "4", "--hardware", str(hw), "--json", "--top", "2"], **_quiet())
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert len(data["best"]) == 2 and data["world_size"] == 4 and data["hardware"] == "test-box"
+    assert data["best"][0]["prediction"]["tokens_per_sec_per_device"] > 0
+    text = subprocess.run([*cmd, "--world-size", "4", "--hardware", str(hw)], **_quiet())
+    assert text.returncode == 0, text.stderr
+    assert "pass the config checks" in text.stdout and "tokens/s/dev" in text.stdout
+    rows = [ln for ln in text.stdout.splitlines() if ln[:3].strip().isdigit() and ln.startswith(" ")]
+    assert len(rows) == 5 and "dp" in rows[0] and "ZeRO-" in rows[0]
+    no_world = subprocess.run([*cmd, "--hardware", str(hw)], **_quiet())
+    assert no_world.returncode == 2 and "--world-size" in no_world.stderr
+    no_hw = subprocess.run([*cmd, "--world-size", "4"], **_quiet())
+    assert no_hw.returncode == 2 and "--hardware" in no_hw.stderr
+
+
+def _quiet() -> dict:
+    return {"capture_output": True, "text": True, "cwd": REPO, "timeout": 300}

@@ -163,6 +163,39 @@ def _plan_line(run: RunFacts) -> str:
     )
 
 
+SLOWER_THAN_BEST = 1.2  # the summary warns when the best searched layout is predicted this much faster
+
+
+def _search_line(run: RunFacts) -> str | None:
+    """With `general.hardware` set, on the main rank: a warning when `nanocore plan --search` predicts a
+    layout more than 20 % faster than this run's (None: no warning, or no hardware to predict on)."""
+    cfg, engine = run.config, run.engine
+    if cfg.general.hardware is None or not engine.is_main:
+        return None
+    from nanocore.hardware import load_hardware
+    from nanocore.plan import predict_for
+    from nanocore.plan_search import search
+
+    device = engine.device.type
+    try:
+        hardware = load_hardware(cfg.general.hardware)
+        own = predict_for(cfg, run.registries, hardware, device)
+        result = search(cfg, run.registries, engine.world_size, hardware, hardware.memory_bytes, device=device, top=1)
+    except Exception as exc:  # advice must not stop the run
+        return f"layout advice: unavailable ({type(exc).__name__}: {exc})"
+    if own is None or not result.best:
+        return None
+    best = result.best[0].prediction
+    if best.tokens_per_sec_per_device <= SLOWER_THAN_BEST * own.tokens_per_sec_per_device:
+        return None
+    return (
+        f"WARNING layout: predicted {own.tokens_per_sec_per_device:,.0f} tokens/s per device on {hardware.name}; "
+        f"nanocore plan --search predicts {best.tokens_per_sec_per_device:,.0f} "
+        f"({best.tokens_per_sec_per_device / own.tokens_per_sec_per_device:.2f}x) for "
+        f"{result.best[0].layout.label()} (docs/planning.md)"
+    )
+
+
 def _mfu_line(peak: Peak | None) -> str:
     if peak is None:
         return "mfu: not reported (no peak known for this device; set general.hardware)"
@@ -214,6 +247,7 @@ def run_summary(run: RunFacts) -> str:
         _memory_line(estimates),
         _plan_line(run),
         _mfu_line(run.peak),
+        *[line for line in [_search_line(run)] if line is not None],
         f"checkpoints: {Path(ck.checkpoints_path).resolve()} ({every}, {keep}) | logs: "
         f"{Path(cfg.logging.log_dir).resolve()} ({loggers})",
     ]

@@ -201,3 +201,23 @@ def test_summary_gives_the_parameters_a_token_computes_with_for_a_sparse_model(t
     active = total - experts * (1 - k_of_e) - bias
     assert active < total - 1000  # a token runs 2 of 4 routed experts
     assert f"model: deepseek_v3, {total / 1e3:.3g}K parameters ({active / 1e3:.3g}K active per token)" in summary
+
+
+def test_summary_warns_when_the_search_predicts_a_layout_over_20_percent_faster(tmp_path, caplog):
+    from nanocore.hardware import Hardware, Link, hardware_to_yaml
+
+    hw = tmp_path / "hw.yaml"  # compute-bound: recompute's extra forward is a third more step
+    hw.write_text(hardware_to_yaml(Hardware("slow-box", "test", {"float32": 1e9}, 2**34, 8, Link(1e12, 0.0),
+                                            Link(1e12, 0.0), memory_bandwidth=1e13)))  # fmt: skip
+    summaries = {}
+    for recompute in ("full", None):
+        raw = tiny_config(tmp_path / str(recompute), general={"hardware": str(hw)},
+                          parallelism={"recompute_granularity": recompute})  # fmt: skip
+        raw["tokens"]["train_steps"] = 1
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="nanocore"):
+            run_training(raw)
+        (summaries[recompute],) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start of")]
+    (warning,) = [ln for ln in summaries["full"].splitlines() if "WARNING layout:" in ln]
+    assert "on slow-box" in warning and "recompute off" in warning and "nanocore plan --search" in warning
+    assert "WARNING layout" not in summaries[None]  # the run's own layout is (within 20 %) the best

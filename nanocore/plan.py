@@ -20,13 +20,16 @@ if TYPE_CHECKING:
     from nanocore.registry import Registries
 
 
-def plan_for(config: Config, registries: Registries, device: str) -> MemoryPlan | None:
-    """The engine's memory plan, or None when the engine plugin offers no planner."""
+def plan_for(config: Config, registries: Registries, device: str, expert_load_factor: float = 1.0) -> MemoryPlan | None:
+    """The engine's memory plan, or None when the engine plugin offers no planner. A load factor above 1
+    (the busiest expert-parallel rank's routed tokens over the balanced share) is passed as the
+    planner's `expert_load_factor` keyword."""
     entry = registries.parallel_engine.get(config.parallelism.engine)
     planner = entry.extras.get("plan")
     if planner is None:
         return None
-    result = planner(config, registries, device=device)
+    extra = {"expert_load_factor": expert_load_factor} if expert_load_factor != 1.0 else {}
+    result = planner(config, registries, device=device, **extra)
     if not isinstance(result, MemoryPlan):
         raise PluginError(
             f"plugin {entry.plugin!r}: engine {entry.name!r}'s plan returned {type(result).__name__}, "

@@ -209,8 +209,8 @@ def overflow(rank: RankPlan, device_bytes: int) -> str:
     )
 
 
-def _plan(config: Config, registries: Registries, device: str) -> MemoryPlan:
-    plan = plan_for(config, registries, device)
+def _plan(config: Config, registries: Registries, device: str, expert_load_factor: float) -> MemoryPlan:
+    plan = plan_for(config, registries, device, expert_load_factor)
     if plan is None:
         raise ConfigError(f"parallelism.engine: engine {config.parallelism.engine!r} offers no memory planner")
     return plan
@@ -272,7 +272,7 @@ def search(
     for ranked in predicted:
         if len(best) >= top:
             break
-        plan = _plan(ranked.layout.apply(config), registries, device)
+        plan = _plan(ranked.layout.apply(config), registries, device, expert_load_factor)
         planned += 1
         largest = plan.largest()
         fits = largest.total_bytes <= device_bytes

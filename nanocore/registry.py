@@ -175,7 +175,9 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
             "check": _CHECK,
             "check_model": Extra(_FUNCTION, "fn(config, model_entry) -> list[str]: checks that need the model"),
             "plan": Extra(
-                _FUNCTION, "fn(config, registries, device) -> MemoryPlan (nanocore.engine_api): bytes per rank"
+                _FUNCTION,
+                "fn(config, registries, device[, expert_load_factor]) -> MemoryPlan (nanocore.engine_api): "
+                "bytes per rank",
             ),
             "predict": Extra(
                 _FUNCTION,

@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--expert-load-factor",
         type=float,
         default=1.0,
-        help="tokens the busiest expert-parallel rank gets, over the balanced share (default 1.0)",
+        help="tokens the busiest expert-parallel rank gets, over the balanced share (default 1.0): "
+        "sizes its expert activations and slows its experts (a run logs moe_max_load)",
     )
 
 
@@ -97,12 +98,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return cmd_search(args)
     loaded = load_config(args.config, args.plugin, world_size=args.world_size, overrides=args.overrides)
     config = loaded.config
-    plan = plan_for(config, loaded.plugins.registries, args.device)
+    if args.expert_load_factor < 1.0:
+        raise ConfigError(f"--expert-load-factor: at least 1 (the balanced share), got {args.expert_load_factor}")
+    plan = plan_for(config, loaded.plugins.registries, args.device, args.expert_load_factor)
     if plan is None:
         raise ConfigError(f"parallelism.engine: engine {config.parallelism.engine!r} offers no memory planner")
     hardware = load_hardware(args.hardware) if args.hardware is not None else None
-    if args.expert_load_factor < 1.0:
-        raise ConfigError(f"--expert-load-factor: at least 1 (the balanced share), got {args.expert_load_factor}")
     device_memory = args.device_memory
     if device_memory is None and hardware is not None:
         device_memory = str(hardware.memory_bytes)

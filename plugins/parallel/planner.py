@@ -18,7 +18,10 @@ chunks, the way the engine builds it. Then, in bytes:
   forwards the rank's schedule holds at once (its action list from the pipeline simulator: each
   forward adds its chunk's activations, each backward frees them; at its largest); TP divides what
   it shards, sequence parallelism the norms too; full recompute keeps each recomputed block's input,
-  selective drops the attention core's outputs. Plus the backward's working set: the loss's float32
+  selective drops the attention core's outputs. Under expert parallelism a sparse layer's routed
+  activations (`moe_mlp`) are sized for the busiest rank: x the expert-load factor (`nanocore plan
+  --expert-load-factor`; 1 is balanced routing; without ep every slot is local and the factor is moot).
+  Plus the backward's working set: the loss's float32
   softmax over the logits and one decoder layer's activations; on a stage without the loss,
   autograd's fresh gradient of its largest parameter (the embedding's, before it is added to the
   gradient buffer); under context parallelism (where the model declares `attention_query` and
@@ -95,8 +98,9 @@ def _rank_part(
     return _RANK_PARTS[key]
 
 
-def plan(config: Config, registries: Registries, device: str = "cuda") -> MemoryPlan:
-    """The memory plan of `config` (see the module docstring). `device` resolves `model.dtype: auto`."""
+def plan(config: Config, registries: Registries, device: str = "cuda", expert_load_factor: float = 1.0) -> MemoryPlan:
+    """The memory plan of `config` (see the module docstring). `device` resolves `model.dtype: auto`;
+    `expert_load_factor` is the busiest expert-parallel rank's routed tokens over the balanced share."""
     par, tokens, opt = config.parallelism, config.tokens, config.optimizer
     dtype_name = resolve_dtype_name(config.model.dtype, device)
     dtype_bytes = DTYPE_BYTES[dtype_name]
@@ -184,6 +188,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda") -> Memory
                     mb_tokens,
                     dtype_bytes,
                     cp,
+                    expert_load_factor if ep > 1 else 1.0,
                 )
             # ZeRO-2: two buckets of staging (one reducing, one filling; a parameter larger than a bucket is
             # a bucket of its own) and the reduced share of one. They fill as backward frees activations,
@@ -277,6 +282,7 @@ def _activations(
     mb_tokens: float,
     dtype_bytes: int,
     cp: int = 1,
+    expert_load: float = 1.0,
 ) -> tuple[float, float]:
     """Bytes of activations this rank holds at its peak (see the module docstring), and of those the
     loss's working set, which exists only at the start of backward."""
@@ -295,7 +301,7 @@ def _activations(
     sparse_layer = (
         layer
         - declared.get("dense_mlp_sharded", 0.0) / tp
-        + declared.get("moe_mlp", 0.0) / sp
+        + declared.get("moe_mlp", 0.0) * expert_load / sp
         + declared.get("moe_mlp_sharded", 0.0) / tp
     )
     moe_layers = {name.removesuffix(".mlp") for name in getattr(model, "moe_layers", ())}

@@ -7,7 +7,8 @@ public datasheet; `nanocore calibrate` writes one for the machine at hand):
     source: where the figures come from
     peak_flops: {bfloat16: 989.4e+12, float32: 66.9e+12, ...}   # dense FLOP/s per device
     memory: 80GiB                    # per device (a number of bytes or a size such as 80GiB)
-    memory_bandwidth: 3.35e+12       # bytes/s per device (optional: the optimizer step's cost)
+    memory_bandwidth: 3.35e+12       # bytes/s per device (optional: memory-bound work and the optimizer step)
+    op_overhead: 5.0e-6              # seconds per launched non-matmul op (optional, default 0)
     devices_per_node: 8
     intra_node: {bandwidth: 450e9, latency: 5e-6}   # bytes/s per device one way; seconds per message
     inter_node: {bandwidth: 50e9, latency: 10e-6}
@@ -57,6 +58,13 @@ class Hardware:
     inter_node: Link
     memory_bandwidth: float | None = None
     matmul_efficiency: tuple[tuple[float, float], ...] = ()  # (FLOPs of one matmul, fraction of peak), sorted
+    op_overhead: float = 0.0  # seconds one launched non-matmul op costs beyond its bytes (dispatch, launch)
+
+    def memory_bound_seconds(self, ops: float, size_bytes: float) -> float:
+        """Time of `ops` non-matmul ops moving `size_bytes` bytes in all: each op's overhead plus the
+        bytes at the memory bandwidth (0 for the bytes when the description has none)."""
+        moved = size_bytes / self.memory_bandwidth if self.memory_bandwidth else 0.0
+        return ops * self.op_overhead + moved
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s per device for matmuls in `dtype` (a torch dtype name; "tf32" for float32 on
@@ -177,6 +185,7 @@ def parse_hardware(data: object, origin: str) -> Hardware:
         "intra_node",
         "inter_node",
         "matmul_efficiency",
+        "op_overhead",
         "measured",
     }
     for key in data:
@@ -216,6 +225,9 @@ def parse_hardware(data: object, origin: str) -> Hardware:
         problems.append(f"{origin}: devices_per_node: expected a positive integer, got {devices!r}")
     bandwidth = data.get("memory_bandwidth")
     memory_bandwidth = None if bandwidth is None else _number(bandwidth, f"{origin}: memory_bandwidth", problems)
+    overhead = _number(data.get("op_overhead", 0.0), f"{origin}: op_overhead", problems, positive=False)
+    if overhead < 0:
+        problems.append(f"{origin}: op_overhead: expected seconds >= 0, got {data['op_overhead']!r}")
     curve: list[tuple[float, float]] = []
     raw_curve = data.get("matmul_efficiency") or []
     if not isinstance(raw_curve, list):
@@ -242,6 +254,7 @@ def parse_hardware(data: object, origin: str) -> Hardware:
         inter_node=links["inter_node"],
         memory_bandwidth=memory_bandwidth,
         matmul_efficiency=tuple(sorted(curve)),
+        op_overhead=overhead,
     )
 
 
@@ -260,6 +273,8 @@ def hardware_to_yaml(hw: Hardware, measured: dict[str, object] | None = None) ->
     }
     if hw.memory_bandwidth is not None:
         data["memory_bandwidth"] = hw.memory_bandwidth
+    if hw.op_overhead:
+        data["op_overhead"] = hw.op_overhead
     if measured:
         data["measured"] = measured
     return yaml.safe_dump(data, sort_keys=False)

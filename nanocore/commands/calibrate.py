@@ -9,7 +9,10 @@ once as in training, measures:
   the slowest rank's (synchronous training waits for it);
 - all-reduce time over message sizes: the latency from the smallest (t / (2 (n-1))), the bus bandwidth
   from the slope between the smallest and the largest (2 (n-1) / n bytes per byte reduced);
-- a large copy for the memory bandwidth, and the device memory (on CPU: the RAM over N).
+- a large copy for the memory bandwidth, and the device memory (on CPU: the RAM over N);
+- the overhead of one small non-matmul op (`op_overhead`): a chain of 200 elementwise ops on a few
+  hundred elements, forward and backward, over 3 x 200 (the time model counts each forward op as three
+  launches' worth: one forward, two backward).
 
 A single machine has no inter-node link: inter_node repeats intra_node's figures (edit it for a
 cluster, or use a shipped description). Run it on a quiet machine: what another job takes, the
@@ -44,6 +47,7 @@ SQUARE = (64, 128, 256, 512, 1024, 2048)
 GPU_SQUARE = (256, 512, 1024, 2048, 4096, 8192)
 MESSAGE_BYTES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
 GPU_MESSAGE_BYTES = tuple(2**k for k in range(14, 29, 2))  # 16 KiB .. 256 MiB
+CHAIN = 200  # elementwise ops in the op-overhead probe
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -116,6 +120,16 @@ def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any)
         dest = torch.empty_like(big)
         dist.barrier()
         out["copy"] = 2 * big.numel() * 4 / _time(lambda: dest.copy_(big), args["seconds"], sync)
+        tiny = torch.randn(256, device=device, requires_grad=True)
+
+        def chain() -> None:
+            y = tiny
+            for _ in range(CHAIN // 2):
+                y = y * 1.0001 + 0.0001
+            y.sum().backward()
+
+        dist.barrier()
+        out["op"] = _time(chain, args["seconds"], sync) / (3 * CHAIN)
         out["memory"] = torch.cuda.get_device_properties(device).total_memory if cuda else None
         out["device"] = torch.cuda.get_device_name(device) if cuda else (platform.processor() or platform.machine())
         out["backend"] = "nccl" if cuda else "gloo"
@@ -225,6 +239,7 @@ def describe(ranks: list[dict[str, Any]], world: int, threads: int, name: str) -
         inter_node=link,
         memory_bandwidth=min(r["copy"] for r in ranks),
         matmul_efficiency=tuple((float(f), float(e)) for f, e in curve),
+        op_overhead=max(r["op"] for r in ranks),
     )
 
 
@@ -258,7 +273,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"calibrate: wrote {output}: peak {', '.join(f'{k} {v / 1e9:.1f} GFLOP/s' for k, v in hw.peak_flops.items())}; "
         f"all-reduce bus bandwidth {hw.intra_node.bandwidth / 1e9:.2f} GB/s, "
         f"latency {hw.intra_node.latency * 1e6:.1f} us; "
-        f"memory bandwidth {(hw.memory_bandwidth or 0) / 1e9:.1f} GB/s",
+        f"memory bandwidth {(hw.memory_bandwidth or 0) / 1e9:.1f} GB/s; op overhead {hw.op_overhead * 1e6:.1f} us",
         file=sys.stderr,
     )
     return 0

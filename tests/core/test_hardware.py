@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import yaml
 
@@ -65,6 +66,10 @@ def test_a_file_round_trips_and_relative_figures_read_as_numbers(tmp_path):
     path.write_text(hardware_to_yaml(hw, measured={"note": "kept"}))
     again = load_hardware(str(path))
     assert again == hw
+    slow = attrs.evolve(hw, op_overhead=3e-6)  # the per-op overhead calibrate measures travels too
+    path.write_text(hardware_to_yaml(slow))
+    assert load_hardware(str(path)) == slow
+    assert slow.memory_bound_seconds(10, 3.35e9) == pytest.approx(10 * 3e-6 + 1e-3)
     # YAML 1.1 reads 1e9 (no dot, no exponent sign) as a string: the loader takes it as a number
     data = yaml.safe_load(path.read_text())
     data["peak_flops"] = {"float32": "1e9"}
@@ -85,6 +90,7 @@ def test_every_problem_of_a_bad_file_is_named_by_its_field_in_one_error(tmp_path
                 "inter_node": {"bandwidth": 1e9, "latency": 1e-5},
                 "matmul_efficiency": [[1e9, 1.5], [3]],
                 "colour": "green",
+                "op_overhead": -1e-6,
             }
         )
     )
@@ -100,9 +106,10 @@ def test_every_problem_of_a_bad_file_is_named_by_its_field_in_one_error(tmp_path
         "matmul_efficiency[0]: a fraction of the peak above 1",
         "matmul_efficiency[1]: expected [FLOPs of one matmul, fraction of peak]",
         "colour: unknown field",
+        "op_overhead: expected seconds >= 0",
     ):
         assert field in text, field
-    assert len(info.value.problems) == 8
+    assert len(info.value.problems) == 9
 
 
 def test_the_config_names_a_hardware_it_cannot_find_before_anything_starts(tmp_path):

@@ -10,6 +10,12 @@ model built on the meta device with the layout's TP (the same parameters the eng
   router sends it (T / sp x k / E x ep per expert, x the expert-load factor on the busiest rank);
   attention is 4 x (query width / tp) x sequence x T x 1/2 (causal) FLOPs forward per layer, twice
   that backward;
+- memory_bound (`memory_bound_seconds`): every other op the block's forward launches (norms,
+  activations, rotary, residual adds, casts, copies; the loss on the last block), counted by running
+  the block on the meta device under a dispatch mode (`trace_memory_bound`): each op costs the
+  hardware's `op_overhead` plus its input and output bytes at the memory bandwidth, forward once and
+  backward twice; bytes at the residual width are replicated under TP without sequence parallelism,
+  the rest split tp ways; views, matmuls and the attention core (counted above) are not;
 - recompute (`recompute_seconds`): full: each decoder layer's forward again in backward;
   selective: the attention core's;
 - tensor_parallel (`tensor_parallel_seconds`): per decoder layer two all-reduces of T x hidden
@@ -38,12 +44,14 @@ at the intra-node link while a group's ranks fit in one node (tp innermost, then
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import math
 
 import attrs
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanocore.config import Config
 from nanocore.dtypes import resolve_dtype_name
@@ -72,16 +80,29 @@ class Matmul:
     active: float  # the share of tokens that use it (k / E for an expert)
 
 
+@attrs.frozen
+class MemoryBound:
+    """A block's non-matmul work in one forward (see `trace_memory_bound`)."""
+
+    ops: int  # ops launched per micro-batch (views, matmuls and the attention core excluded)
+    stream: float  # elements read and written per token by ops at the residual width
+    inner: float  # elements per token by the others (heads, MLP width, vocabulary: split under TP)
+
+
+NO_MEMORY_BOUND = MemoryBound(0, 0.0, 0.0)
+
+
 @attrs.frozen(cache_hash=True)
 class Block:
     """A pipeline block's costs per token: its matmuls, whether it holds an attention core, its
-    trainable elements (dense and expert)."""
+    trainable elements (dense and expert), its non-matmul work."""
 
     matmuls: tuple[Matmul, ...]
     attention: bool
     moe: bool
     params: int
     expert_params: int
+    memory: MemoryBound = NO_MEMORY_BOUND
 
 
 @attrs.frozen
@@ -124,6 +145,7 @@ def _read_inventory(config: Config, registries: Registries, tp: int) -> Inventor
     active = getattr(model, "active_fraction", None)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     moe = set(moe_layers(model))
+    traced = trace_memory_bound(config, registries)
     blocks_out = []
     alike: dict[Block, Block] = {}
     hidden = 0
@@ -153,7 +175,8 @@ def _read_inventory(config: Config, registries: Registries, tp: int) -> Inventor
                         top_k = max(top_k, fraction * experts)
                     matmuls.append(Matmul(p.numel(), experts, fraction))
         attention = any(".layers." in name or name.startswith("layers.") for name in block)
-        made = Block(tuple(matmuls), attention, is_moe, params, expert_params)
+        memory = traced[len(blocks_out)] if len(blocks_out) < len(traced) else NO_MEMORY_BOUND
+        made = Block(tuple(matmuls), attention, is_moe, params, expert_params, memory)
         blocks_out.append(alike.setdefault(made, made))  # alike layers: one object, costed once by `predict`
     return Inventory(
         blocks=tuple(blocks_out),
@@ -163,6 +186,98 @@ def _read_inventory(config: Config, registries: Registries, tp: int) -> Inventor
         kv_heads=int(declared.get("attention_kv_heads", 0)),
         top_k=top_k,
     )
+
+
+TRACE_TOKENS = 16  # the traced micro-batch: 1 x 16 tokens (its elements are scaled per token)
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "matmul", "linear")
+_NO_COPY = ("_unsafe_view", "detach", "alias", "lift_fresh")  # not flagged as views, but move no bytes
+_TRACES: dict[str, tuple[MemoryBound, ...]] = {}
+
+
+class _Counter(TorchDispatchMode):
+    """Counts the ops that reach it and the elements they read and write, split by the output's last
+    dimension (the residual width or not); parameters (read in part, e.g. an embedding's rows) are skipped."""
+
+    def __init__(self, hidden: int, params: set[int]) -> None:
+        super().__init__()
+        self.hidden, self.params = hidden, params
+        self.paused = 0  # inside an attention core
+        self.ops, self.stream, self.inner = 0, 0.0, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if self.paused or func.is_view or name in _MATMULS or name in _NO_COPY:
+            return out
+        flat_in = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        flat_out = [a for a in torch.utils._pytree.tree_leaves(out) if isinstance(a, torch.Tensor)]
+        elements = sum(a.numel() for a in flat_in if id(a) not in self.params) + sum(a.numel() for a in flat_out)
+        self.ops += 1
+        width = flat_out[0].shape[-1] if flat_out and flat_out[0].dim() else 0
+        if width == self.hidden:
+            self.stream += elements
+        else:
+            self.inner += elements
+        return out
+
+
+def trace_memory_bound(config: Config, registries: Registries) -> tuple[MemoryBound, ...]:
+    """Each pipeline block's non-matmul work per forward, counted by running the whole model's blocks in
+    turn on the meta device (1 x TRACE_TOKENS tokens, no grad) under `_Counter`; the attention core (the
+    model's `selective_recompute_modules`) is one op whose work the attention term costs, and the last
+    block adds the loss's cross-entropy. A block the meta device cannot run (data-dependent routing)
+    takes the previous decoder layer's counts. Remembered per model config."""
+    key = repr(config.model)
+    if key in _TRACES:
+        return _TRACES[key]
+    entry = registries.model.get(config.model.model_type)
+    model = meta_model(entry, config.model, vocab_multiple=config.model.make_vocab_size_divisible_by)
+    params = {id(p) for p in model.parameters()}
+    hidden = 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) or "Embedding" in type(module).__name__:
+            weights = [p for p in module.parameters(recurse=False) if p.dim() == 2]
+            if weights:
+                hidden = int(weights[0].shape[-1])
+                break
+    counter = _Counter(hidden, params)
+    patterns = list(getattr(model, "selective_recompute_modules", None) or [])
+    handles = []
+    for name, module in model.named_modules():
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+
+            def enter(*_: object) -> None:
+                counter.paused += 1
+                counter.ops += 1
+
+            def leave(*_: object) -> None:
+                counter.paused -= 1
+
+            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    out: list[MemoryBound] = []
+    x = torch.zeros(1, TRACE_TOKENS, dtype=torch.long, device="meta")
+    blocks = model.pipeline_blocks()
+    try:
+        with torch.no_grad(), counter:
+            for i, block in enumerate(blocks):
+                counter.ops, counter.stream, counter.inner, counter.paused = 0, 0.0, 0.0, 0
+                try:
+                    y = x
+                    for name in block:
+                        y = model.get_submodule(name)(y)
+                    if i == len(blocks) - 1:
+                        target = torch.zeros(TRACE_TOKENS, dtype=torch.long, device="meta")
+                        nn.functional.cross_entropy(y.flatten(0, -2).float(), target)
+                    x = y
+                    out.append(MemoryBound(counter.ops, counter.stream / TRACE_TOKENS, counter.inner / TRACE_TOKENS))
+                except Exception:  # noqa: BLE001 - e.g. routing that reads token counts; estimate, do not fail
+                    layers = [m for m, b in zip(out, blocks, strict=False) if len(b) == 1 and ".layers." in f".{b[0]}"]
+                    out.append(layers[-1] if layers else NO_MEMORY_BOUND)
+    finally:
+        for h in handles:
+            h.remove()
+    _TRACES[key] = tuple(out)
+    return _TRACES[key]
 
 
 @attrs.frozen
@@ -247,10 +362,23 @@ def attention_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -
     return hw.matmul_seconds(flops, lay.dtype)
 
 
+def memory_bound_seconds(block: Block, lay: Layout, hw: Hardware) -> float:
+    """Forward seconds of a block's non-matmul ops on one micro-batch (backward: twice): each op's
+    overhead, and T x (stream elements / (tp under sequence parallelism) + inner elements / tp) x
+    dtype bytes at the memory bandwidth."""
+    mb = block.memory
+    elements = mb.stream / (lay.tp if lay.sequence_parallel else 1) + mb.inner / lay.tp
+    return hw.memory_bound_seconds(mb.ops, lay.tokens * elements * lay.dtype_bytes)
+
+
 def recompute_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -> float:
     """What recompute adds to a block's backward: its forward (full) or its attention core's (selective)."""
     if lay.recompute == "full" and block.attention:
-        return matmul_seconds(block, lay, hw) + attention_seconds(block, inv, lay, hw)
+        return (
+            matmul_seconds(block, lay, hw)
+            + attention_seconds(block, inv, lay, hw)
+            + memory_bound_seconds(block, lay, hw)
+        )
     if lay.recompute == "selective":
         return attention_seconds(block, inv, lay, hw)
     return 0.0
@@ -411,7 +539,7 @@ def predict(
     for rank in range(lay.pp):
         ids = [stage_of(schedule, c, rank, lay.pp, lay.virtual) for c in range(lay.virtual)]
         blocks = [inv.blocks[int(b[0])] for i in ids for b in chunks[i]]
-        sums = dict.fromkeys(("mm", "att", "rec", "tpf", "tpb", "cpf", "cpb", "epf", "epb"), 0.0)
+        sums = dict.fromkeys(("mm", "att", "mem", "rec", "tpf", "tpb", "cpf", "cpb", "epf", "epb"), 0.0)
         params = expert_params = 0
         for blk in blocks:
             if blk not in costs:  # decoder layers are alike: each distinct block costed once
@@ -421,6 +549,7 @@ def predict(
                 costs[blk] = {
                     "mm": matmul_seconds(blk, lay, hw),
                     "att": attention_seconds(blk, inv, lay, hw),
+                    "mem": memory_bound_seconds(blk, lay, hw),
                     "rec": recompute_seconds(blk, inv, lay, hw),
                     **{"tpf": tpf, "tpb": tpb, "cpf": cpf, "cpb": cpb, "epf": epf, "epb": epb},
                 }
@@ -429,9 +558,18 @@ def predict(
             params += blk.params
             expert_params += blk.expert_params
         messages = lay.virtual * p2p
-        forward = sums["mm"] + sums["att"] + sums["tpf"] + sums["cpf"] + sums["epf"] + messages
+        forward = sums["mm"] + sums["att"] + sums["mem"] + sums["tpf"] + sums["cpf"] + sums["epf"] + messages
         weight = sums["mm"]
-        inputs = sums["mm"] + 2 * sums["att"] + sums["rec"] + sums["tpb"] + sums["cpb"] + sums["epb"] + messages
+        inputs = (
+            sums["mm"]
+            + 2 * sums["att"]
+            + 2 * sums["mem"]
+            + sums["rec"]
+            + sums["tpb"]
+            + sums["cpb"]
+            + sums["epb"]
+            + messages
+        )
         per_rank.append(
             {
                 **sums,
@@ -442,6 +580,7 @@ def predict(
                 "params": params,
                 "expert_params": expert_params,
                 "blocks": len(blocks),
+                "ops": sum(b.memory.ops for b in blocks),
                 "p2p": 2 * messages,
             }
         )
@@ -480,6 +619,7 @@ def predict(
     schedule_name = f"{config.parallelism.pp_engine}, {m} micro-batches, {lay.virtual} virtual stage(s)"
     terms = [
         TimeTerm("compute", m * 3 * (r["mm"] + r["att"]), where),
+        TimeTerm("memory_bound", m * 3 * r["mem"], f"{int(r['ops'])} non-matmul ops per micro-batch forward"),
         TimeTerm("recompute", m * r["rec"], f"recompute {lay.recompute or 'off'}"),
         TimeTerm("tensor_parallel", m * (r["tpf"] + r["tpb"]), f"tp {lay.tp}, {config.parallelism.tp_mode}"),
         TimeTerm("context_parallel", m * (r["cpf"] + r["cpb"]), f"cp {lay.cp} {lay.cp_mode} (exposed)"),

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import attrs
 import pytest
 import torch
 import yaml
@@ -16,6 +17,7 @@ from nanocore.config.converter import structure_config
 from nanocore.hardware import Hardware, Link, hardware_to_yaml
 from nanocore.plan import predict_for
 from nanocore.plugins import load_plugins
+from nanocore_plugins.parallel.time_model import trace_memory_bound
 from tests.helpers.launch import REPO
 from tests.helpers.training import TINY_MODEL, tiny_config
 
@@ -29,9 +31,13 @@ def registries():
     return load_plugins().registries
 
 
-def predict(registries, tmp_path, parallelism=None, **sections):
+def predict(registries, tmp_path, parallelism=None, hw=HW, **sections):
     raw = tiny_config(tmp_path, parallelism=parallelism or {}, **sections)
-    return predict_for(structure_config(raw, registries), registries, HW, "cpu")
+    return predict_for(structure_config(raw, registries), registries, hw, "cpu")
+
+
+# the same machine with no memory-bound cost: the matmuls alone, as the terms stood before it
+MATMUL_ONLY = attrs.evolve(HW, memory_bandwidth=None)
 
 
 # tiny LLaMA: hidden 32, intermediate 64, 4 heads of 8, 2 kv heads, 4 layers, vocab 64 (untied)
@@ -52,7 +58,7 @@ def test_one_process_is_three_passes_of_matmuls_and_attention_at_the_peak(regist
     params = 2 * V * H + L * (LAYER_MATMUL + 2 * H) + H
     assert p.term("optimizer") == pytest.approx(params * (2 * 4 + 4 + 2 * 4 * 2) / 1e11)
     assert p.step_seconds == pytest.approx(sum(t.seconds for t in p.terms))
-    assert p.dominant == "compute"
+    assert p.dominant == max(p.terms, key=lambda t: t.seconds).name
     assert p.tokens_per_sec_per_device == pytest.approx(M * TOKENS / p.step_seconds)
     # MFU counts the model's own FLOPs per token (6 N + 12 layers x width x sequence), not the work above
     with torch.device("meta"):
@@ -85,23 +91,32 @@ def test_a_pipeline_pays_its_bubble_as_the_simulator_counts_it(registries, tmp_p
     # first forward arrives, so the step is F0 + m (F1 + B1) + B0 and the bubble F0 + B0 = 3 F0 (no
     # recompute), where stage 0 runs the embedding (a lookup) and two layers, plus a message each way
     layer = (2 * TOKENS * LAYER_MATMUL + 4 * H * SEQ * TOKENS * 0.5) / PEAK
-    assert p.term("pipeline_bubble") == pytest.approx(3 * 2 * layer + 2 * message)
+    # and each of stage 0's blocks' non-matmul work (forward once, backward twice: 3 x, like the rest)
+    traced = trace_memory_bound(structure_config(tiny_config(tmp_path), registries), registries)
+    memory = sum(TOKENS * (b.stream + b.inner) * 4 / 1e11 for b in traced[:3])
+    assert p.term("pipeline_bubble") == pytest.approx(3 * (2 * layer + memory) + 2 * message)
     assert p.step_seconds == pytest.approx(sum(t.seconds for t in p.terms))
-    zb = predict(registries, tmp_path, {"pp": 2, "pp_engine": "zb1p"})
-    assert zb.term("pipeline_bubble") < p.term("pipeline_bubble")
+    # where weight gradients are a real share of the backward (matmul-bound), ZB-H1 fills the bubble with them
+    f1b = predict(registries, tmp_path, {"pp": 2, "pp_engine": "1f1b"}, hw=MATMUL_ONLY)
+    zb = predict(registries, tmp_path, {"pp": 2, "pp_engine": "zb1p"}, hw=MATMUL_ONLY)
+    assert zb.term("pipeline_bubble") < f1b.term("pipeline_bubble")
 
 
 def test_recompute_data_parallel_and_zero3_cost_what_they_move(registries, tmp_path):
     one = predict(registries, tmp_path)
     full = predict(registries, tmp_path, {"recompute_granularity": "full"})
-    layers = full.term("recompute") / (one.term("compute") / 3)
+    layers = full.term("recompute") / ((one.term("compute") + one.term("memory_bound")) / 3)
     assert 0.8 < layers < 1.0  # the decoder layers' forward again: all of the forward but the head
     dp2 = predict(registries, tmp_path, {"dp": 2})
     assert dp2.term("data_parallel") > 0
     zero3 = predict(registries, tmp_path, {"dp": 2}, optimizer={"zero_stage": 3})
     zero1 = predict(registries, tmp_path, {"dp": 2}, optimizer={"zero_stage": 1})
     assert zero1.term("optimizer") == pytest.approx(dp2.term("optimizer") / 2, rel=0.02)  # half the rows each
-    assert zero3.term("data_parallel") >= zero1.term("data_parallel")
+    # ZeRO-3's gathers hide behind compute but for each pass's first block: with the matmuls alone to
+    # hide behind, they cost more than ZeRO-1's one all-gather after the step
+    zero3_bare = predict(registries, tmp_path, {"dp": 2}, hw=MATMUL_ONLY, optimizer={"zero_stage": 3})
+    zero1_bare = predict(registries, tmp_path, {"dp": 2}, hw=MATMUL_ONLY, optimizer={"zero_stage": 1})
+    assert zero3_bare.term("data_parallel") >= zero1_bare.term("data_parallel")
     assert zero3.term("data_parallel") > dp2.term("data_parallel")  # it moves the parameters besides
 
 
@@ -117,6 +132,36 @@ def test_context_parallel_modes_cost_their_own_exchanges(registries, tmp_path):
     attention = 4 * H * SEQ * (TOKENS / 2) * 0.5 / PEAK
     exposed = max(0.0, kv / 1e10 - attention) + max(0.0, 2 * kv / 1e10 - 2 * attention)
     assert ring.term("context_parallel") == pytest.approx(M * L * exposed) and exposed > 0
+
+
+def test_memory_bound_work_is_each_traced_op_and_its_bytes_at_the_memory_bandwidth(registries, tmp_path):
+    config = structure_config(tiny_config(tmp_path), registries)
+    traced = trace_memory_bound(config, registries)
+    assert len(traced) == L + 2  # the embedding, the layers, the norm + head (+ the loss)
+    # the embedding is one lookup: a token id read and a row of H written per token, nothing split by TP
+    assert (traced[0].ops, traced[0].stream, traced[0].inner) == (1, H + 1, 0.0)
+    assert traced[1].ops > 10 and traced[2] == traced[3] == traced[4]  # layer 0 also builds the rotary table
+    # matmuls and the attention core are not counted here: a wider MLP adds only its activation's
+    # elementwise work (inside the TP split), the residual stream's stays
+    raw = tiny_config(tmp_path, model={"model_config": {"intermediate_size": 2 * FF}})
+    wide = trace_memory_bound(structure_config(raw, registries), registries)
+    assert wide[2].stream == traced[2].stream and wide[2].inner > traced[2].inner
+    assert wide[2].ops == traced[2].ops
+
+    # the term: m micro-batches x 3 passes x (ops x overhead + T x elements x 4 bytes / bandwidth)
+    slow = attrs.evolve(HW, op_overhead=1e-6)
+    one = predict_for(config, registries, slow, "cpu")
+    work = sum(b.ops * 1e-6 + TOKENS * (b.stream + b.inner) * 4 / 1e11 for b in traced)
+    assert one.term("memory_bound") == pytest.approx(M * 3 * work)
+    assert predict_for(config, registries, HW, "cpu").term("memory_bound") == pytest.approx(
+        M * 3 * sum(TOKENS * (b.stream + b.inner) * 4 / 1e11 for b in traced)
+    )
+    # tp 2: what lies inside the split halves; the residual stream's halves only with sequence parallelism
+    for mode, stream_split in (("ALL_REDUCE", 1), ("REDUCE_SCATTER", 2)):
+        raw = tiny_config(tmp_path, parallelism={"tp": 2, "tp_mode": mode})
+        tp2 = predict_for(structure_config(raw, registries), registries, HW, "cpu")
+        bytes_ = sum(TOKENS * (b.stream / stream_split + b.inner / 2) * 4 / 1e11 for b in traced)
+        assert tp2.term("memory_bound") == pytest.approx(M * 3 * bytes_, rel=0.02), mode
 
 
 def test_plan_prints_the_prediction_and_its_json_carries_the_three_figures(tmp_path):

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 from nanocore.errors import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
     from nanocore.hardware import Hardware
 
 HELP = "measure this machine (matmuls, collectives, memory) and write a hardware description for plan --hardware"
@@ -72,6 +74,30 @@ def _time(fn: Callable[[], object], seconds: float, sync: Callable[[], None]) ->
         best, spent, calls = min(best, took), spent + took, calls + 1
         if calls >= 200:
             break
+    return best
+
+
+def _time_collective(fn: Callable[[], object], seconds: float, sync: Callable[[], None], device: torch.device) -> float:
+    """`_time` for a collective: every rank must make the same number of calls (a rank that stopped
+    early would wait in its next collective while the others wait in this one), so the count is
+    agreed first, the largest any rank needs for `seconds` (3 to 200)."""
+    import torch
+    import torch.distributed as dist
+
+    fn()
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    one = max(time.perf_counter() - start, 1e-9)
+    calls = torch.tensor([min(max(math.ceil(seconds / one), 3), 200)], dtype=torch.int64, device=device)
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    best = float("inf")
+    for _ in range(int(calls.item())):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
     return best
 
 
@@ -113,7 +139,8 @@ def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any)
         for size in GPU_MESSAGE_BYTES if cuda else MESSAGE_BYTES:
             x = torch.ones(size // 4, device=device)
             dist.barrier()
-            out["all_reduce"].append([float(size), _time(functools.partial(dist.all_reduce, x), args["seconds"], sync)])
+            took = _time_collective(functools.partial(dist.all_reduce, x), args["seconds"], sync, device)
+            out["all_reduce"].append([float(size), took])
         if rank == 0:
             print(f"calibrate: all-reduce over {world} process(es) measured", file=sys.stderr)
         big = torch.empty(2**26 if cuda else 2**24, device=device)  # 256 MiB / 64 MiB of float32

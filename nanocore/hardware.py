@@ -9,6 +9,7 @@ public datasheet; `nanocore calibrate` writes one for the machine at hand):
     memory: 80GiB                    # per device (a number of bytes or a size such as 80GiB)
     memory_bandwidth: 3.35e+12       # bytes/s per device (optional: memory-bound work and the optimizer step)
     op_overhead: 5.0e-6              # seconds per launched non-matmul op (optional, default 0)
+    compute_overlap: 1.0             # share of concurrent compute that hides communication (optional, default 1)
     devices_per_node: 8
     intra_node: {bandwidth: 450e9, latency: 5e-6}   # bytes/s per device one way; seconds per message
     inter_node: {bandwidth: 50e9, latency: 10e-6}
@@ -59,6 +60,9 @@ class Hardware:
     memory_bandwidth: float | None = None
     matmul_efficiency: tuple[tuple[float, float], ...] = ()  # (FLOPs of one matmul, fraction of peak), sorted
     op_overhead: float = 0.0  # seconds one launched non-matmul op costs beyond its bytes (dispatch, launch)
+    # the share of compute running beside a collective that hides it: 1 where communication has its
+    # own engine (NCCL on a GPU), near 0 where compute and the collective share the same cores
+    compute_overlap: float = 1.0
 
     def memory_bound_seconds(self, ops: float, size_bytes: float) -> float:
         """Time of `ops` non-matmul ops moving `size_bytes` bytes in all: each op's overhead plus the
@@ -186,6 +190,7 @@ def parse_hardware(data: object, origin: str) -> Hardware:
         "inter_node",
         "matmul_efficiency",
         "op_overhead",
+        "compute_overlap",
         "measured",
     }
     for key in data:
@@ -228,6 +233,9 @@ def parse_hardware(data: object, origin: str) -> Hardware:
     overhead = _number(data.get("op_overhead", 0.0), f"{origin}: op_overhead", problems, positive=False)
     if overhead < 0:
         problems.append(f"{origin}: op_overhead: expected seconds >= 0, got {data['op_overhead']!r}")
+    overlap = _number(data.get("compute_overlap", 1.0), f"{origin}: compute_overlap", problems, positive=False)
+    if not math.isnan(overlap) and not 0 <= overlap <= 1:
+        problems.append(f"{origin}: compute_overlap: expected a share from 0 to 1, got {data['compute_overlap']!r}")
     curve: list[tuple[float, float]] = []
     raw_curve = data.get("matmul_efficiency") or []
     if not isinstance(raw_curve, list):
@@ -255,6 +263,7 @@ def parse_hardware(data: object, origin: str) -> Hardware:
         memory_bandwidth=memory_bandwidth,
         matmul_efficiency=tuple(sorted(curve)),
         op_overhead=overhead,
+        compute_overlap=overlap,
     )
 
 
@@ -275,6 +284,8 @@ def hardware_to_yaml(hw: Hardware, measured: dict[str, object] | None = None) ->
         data["memory_bandwidth"] = hw.memory_bandwidth
     if hw.op_overhead:
         data["op_overhead"] = hw.op_overhead
+    if hw.compute_overlap != 1.0:
+        data["compute_overlap"] = hw.compute_overlap
     if measured:
         data["measured"] = measured
     return yaml.safe_dump(data, sort_keys=False)

@@ -9,7 +9,10 @@ once as in training, measures:
   the slowest rank's (synchronous training waits for it);
 - all-reduce time over message sizes: the latency from the smallest (t / (2 (n-1))), the bus bandwidth
   from the slope between the smallest and the largest (2 (n-1) / n bytes per byte reduced);
-- a large copy for the memory bandwidth, and the device memory (on CPU: the RAM over N);
+- a large elementwise op into a fresh buffer for the memory bandwidth, and the device memory (on CPU:
+  the RAM over N);
+- how much compute hides a collective running beside it (`compute_overlap`): a 4 MiB all-reduce and
+  matmuls of about as long, alone and together;
 - the overhead of one small non-matmul op (`op_overhead`): a chain of 200 elementwise ops on a few
   hundred elements, forward and backward, over 3 x 200 (the time model counts each forward op as three
   launches' worth: one forward, two backward).
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanocore.errors import ConfigError
+from nanocore.memory import return_freed_memory
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +105,46 @@ def _time_collective(fn: Callable[[], object], seconds: float, sync: Callable[[]
     return best
 
 
+def _overlap(world: int, device: torch.device, sync: Callable[[], None]) -> float:
+    """The share of compute running beside an all-reduce that hides it: a 4 MiB all-reduce (C s)
+    and matmuls of about as long (M s) alone and together (T s): (C + M - T) / min(C, M), within 0..1.
+    Every rank makes the same calls (fixed counts, no clock decides how many)."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(2**20, device=device)
+    a = torch.randn(512, 512, device=device)
+
+    def best(fn: Callable[[], object], reps: int = 5) -> float:
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    comm = best(lambda: dist.all_reduce(x))
+    one = best(lambda: torch.mm(a, a))
+    count = max(1, round(comm / max(one, 1e-9)))
+
+    def compute() -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+
+    def both() -> None:
+        work = dist.all_reduce(x, async_op=True)
+        compute()
+        assert work is not None
+        work.wait()
+
+    alone = best(compute)
+    together = best(both)
+    shorter = max(min(comm, alone), 1e-9)
+    return min(1.0, max(0.0, (comm + alone - together) / shorter))
+
+
 def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -112,6 +156,9 @@ def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any)
             torch.cuda.set_device(device)
         else:
             torch.set_num_threads(args["threads"])
+            # measured as the trainer runs: it fixes glibc's mmap threshold (nanocore/memory.py), so
+            # each large buffer it allocates is fresh pages, faulted in on first touch
+            return_freed_memory()
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 
         def sync() -> None:
@@ -143,10 +190,11 @@ def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any)
             out["all_reduce"].append([float(size), took])
         if rank == 0:
             print(f"calibrate: all-reduce over {world} process(es) measured", file=sys.stderr)
+        out["overlap"] = _overlap(world, device, sync) if world > 1 else 1.0
         big = torch.empty(2**26 if cuda else 2**24, device=device)  # 256 MiB / 64 MiB of float32
-        dest = torch.empty_like(big)
         dist.barrier()
-        out["copy"] = 2 * big.numel() * 4 / _time(lambda: dest.copy_(big), args["seconds"], sync)
+        # an op as training runs one: read a buffer, write a freshly allocated one
+        out["copy"] = 2 * big.numel() * 4 / _time(lambda: big.mul(1.0001), args["seconds"], sync)
         tiny = torch.randn(256, device=device, requires_grad=True)
 
         def chain() -> None:
@@ -267,6 +315,7 @@ def describe(ranks: list[dict[str, Any]], world: int, threads: int, name: str) -
         memory_bandwidth=min(r["copy"] for r in ranks),
         matmul_efficiency=tuple((float(f), float(e)) for f, e in curve),
         op_overhead=max(r["op"] for r in ranks),
+        compute_overlap=min(r["overlap"] for r in ranks),
     )
 
 
@@ -300,7 +349,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"calibrate: wrote {output}: peak {', '.join(f'{k} {v / 1e9:.1f} GFLOP/s' for k, v in hw.peak_flops.items())}; "
         f"all-reduce bus bandwidth {hw.intra_node.bandwidth / 1e9:.2f} GB/s, "
         f"latency {hw.intra_node.latency * 1e6:.1f} us; "
-        f"memory bandwidth {(hw.memory_bandwidth or 0) / 1e9:.1f} GB/s; op overhead {hw.op_overhead * 1e6:.1f} us",
+        f"memory bandwidth {(hw.memory_bandwidth or 0) / 1e9:.1f} GB/s; op overhead {hw.op_overhead * 1e6:.1f} us; "
+        f"compute overlap {hw.compute_overlap:.2f}",
         file=sys.stderr,
     )
     return 0

@@ -39,7 +39,10 @@ model built on the meta device with the layout's TP (the same parameters the eng
   gradient and states once at the memory bandwidth.
 
 Collectives follow the ring alpha-beta model of `nanocore.hardware.Hardware.collective_seconds`,
-at the intra-node link while a group's ranks fit in one node (tp innermost, then cp, pp, dp).
+at the intra-node link while a group's ranks fit in one node (tp innermost, then cp, pp, dp). Where a
+term says "overlapped with" or "hides behind" some compute, only the hardware's `compute_overlap`
+share of that compute hides it (1 on a GPU, whose collectives have their own engine; what calibrate
+measures on CPU, where gloo shares the cores: near 0 on a busy 2-core machine).
 """
 
 from __future__ import annotations
@@ -333,7 +336,9 @@ def layout_of(config: Config, registries: Registries, dtype: str, expert_load_fa
         dtype_bytes=dtype_bytes,
         grad_bytes=4 if opt.accumulate_grad_in_fp32 else dtype_bytes,
         states=states,
-        load=expert_load_factor,
+        # the busiest rank gets every routed token at most: a factor above ep (a busiest expert's
+        # moe_max_load can reach E / top_k) means ep
+        load=min(expert_load_factor, par.expert_parallel_size) if par.expert_parallel_size > 1 else expert_load_factor,
     )
 
 
@@ -395,7 +400,8 @@ def tensor_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardw
     else:
         pair = gather = hw.collective_seconds("all_reduce", size, lay.tp)
     count = 2 if block.attention else 1  # attention and MLP; the embedding's or the head's one
-    backward = count * pair - (count * gather if lay.tp_async and lay.sequence_parallel else 0.0)
+    hidden = count * gather * hw.compute_overlap if lay.tp_async and lay.sequence_parallel else 0.0
+    backward = count * pair - hidden
     return count * pair, backward
 
 
@@ -415,7 +421,8 @@ def context_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hard
     attention = attention_seconds(block, inv, lay, hw)
     forward = (lay.cp - 1) * hw.collective_seconds("send", kv, 1, stride)
     backward = (lay.cp - 1) * hw.collective_seconds("send", 2 * kv, 1, stride)
-    return max(0.0, forward - attention), max(0.0, backward - 2 * attention)
+    hiding = hw.compute_overlap * attention  # the exchange runs beside this block pair's attention
+    return max(0.0, forward - hiding), max(0.0, backward - 2 * hiding)
 
 
 def expert_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -> tuple[float, float]:
@@ -464,7 +471,7 @@ def data_parallel_seconds(
         reduce, expert_grads, edp, stride
     )
     one_bucket = hw.collective_seconds(reduce, min(bucket, dense_grads), dcp, stride)
-    exposed = max(one_bucket, grads - last_backward) if grads else 0.0
+    exposed = max(one_bucket, grads - hw.compute_overlap * last_backward) if grads else 0.0
     param_bytes = (params + expert_params / lay.ep) * lay.dtype_bytes
     gather = hw.collective_seconds("all_gather", param_bytes, dcp, stride)
     if lay.zero in (1, 2):
@@ -472,7 +479,7 @@ def data_parallel_seconds(
     if lay.zero == 3:
         # prefetched beside every forward and backward, but each pass's first block waits for its gather
         first = hw.collective_seconds("all_gather", param_bytes / max(blocks, 1), dcp, stride)
-        exposed += max(2 * lay.microbatches * first, 2 * lay.microbatches * gather - compute)
+        exposed += max(2 * lay.microbatches * first, 2 * lay.microbatches * gather - hw.compute_overlap * compute)
     detail = f"{reduce} of {(dense_grads + expert_grads) / 2**20:.1f} MiB over {dcp} ranks; ZeRO {lay.zero}"
     return exposed, detail
 

@@ -37,6 +37,7 @@ def test_calibrate_two_processes_writes_a_description_plan_reads(tmp_path):
     assert hw.peak_flops["float32"] > 1e8  # any CPU of this decade does 0.1 GFLOP/s on one thread
     assert hw.intra_node.bandwidth > 0 and hw.intra_node.latency >= 0
     assert 1e-8 < hw.op_overhead < 1e-3  # one small eager op: tens of nanoseconds at least, never a millisecond
+    assert 0 <= hw.compute_overlap <= 1
     assert hw.matmul_efficiency and all(0 < e <= 1 for _, e in hw.matmul_efficiency)
     assert max(e for _, e in hw.matmul_efficiency) == pytest.approx(1.0, rel=0.5)
     raw = yaml.safe_load(out.read_text())

@@ -66,7 +66,7 @@ def test_a_file_round_trips_and_relative_figures_read_as_numbers(tmp_path):
     path.write_text(hardware_to_yaml(hw, measured={"note": "kept"}))
     again = load_hardware(str(path))
     assert again == hw
-    slow = attrs.evolve(hw, op_overhead=3e-6)  # the per-op overhead calibrate measures travels too
+    slow = attrs.evolve(hw, op_overhead=3e-6, compute_overlap=0.25)  # what calibrate measures travels too
     path.write_text(hardware_to_yaml(slow))
     assert load_hardware(str(path)) == slow
     assert slow.memory_bound_seconds(10, 3.35e9) == pytest.approx(10 * 3e-6 + 1e-3)
@@ -91,6 +91,7 @@ def test_every_problem_of_a_bad_file_is_named_by_its_field_in_one_error(tmp_path
                 "matmul_efficiency": [[1e9, 1.5], [3]],
                 "colour": "green",
                 "op_overhead": -1e-6,
+                "compute_overlap": 1.5,
             }
         )
     )
@@ -107,9 +108,10 @@ def test_every_problem_of_a_bad_file_is_named_by_its_field_in_one_error(tmp_path
         "matmul_efficiency[1]: expected [FLOPs of one matmul, fraction of peak]",
         "colour: unknown field",
         "op_overhead: expected seconds >= 0",
+        "compute_overlap: expected a share from 0 to 1",
     ):
         assert field in text, field
-    assert len(info.value.problems) == 9
+    assert len(info.value.problems) == 10
 
 
 def test_the_config_names_a_hardware_it_cannot_find_before_anything_starts(tmp_path):

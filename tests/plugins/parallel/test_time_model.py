@@ -132,6 +132,30 @@ def test_context_parallel_modes_cost_their_own_exchanges(registries, tmp_path):
     attention = 4 * H * SEQ * (TOKENS / 2) * 0.5 / PEAK
     exposed = max(0.0, kv / 1e10 - attention) + max(0.0, 2 * kv / 1e10 - 2 * attention)
     assert ring.term("context_parallel") == pytest.approx(M * L * exposed) and exposed > 0
+    # where compute does not hide a collective (calibrate's compute_overlap 0: gloo on a CPU's shared
+    # cores), the whole exchange is exposed
+    shared = attrs.evolve(HW, compute_overlap=0.0)
+    ring0 = predict(registries, tmp_path, {"context_parallel_size": 2}, hw=shared)
+    assert ring0.term("context_parallel") == pytest.approx(M * L * 3 * kv / 1e10)
+
+
+def test_compute_overlap_decides_how_much_data_parallel_traffic_backward_hides(registries, tmp_path):
+    slow_link = attrs.evolve(HW, intra_node=Link(1e8, 0.0))  # gradients take longer than a backward
+    # the tiny model's gradients fit one 1 MiB bucket, the last one, which nothing hides: the whole
+    # all-reduce of the float32 gradients, 2 (n-1) steps of size / n at n = 2
+    params = 2 * V * H + L * (LAYER_MATMUL + 2 * H) + H  # embedding and head, layers and their norms, final norm
+    tiny = predict(registries, tmp_path, {"dp": 2}, hw=slow_link, model={"ddp_bucket_cap_mb": 1})
+    assert tiny.term("data_parallel") == pytest.approx(params * 4 / 1e8)
+    wide = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8}
+
+    def dp2(overlap, zero=0):  # a 3M-parameter model in 1 MiB buckets: all but the last can hide
+        hw = attrs.evolve(slow_link, compute_overlap=overlap)
+        model = {"ddp_bucket_cap_mb": 1, "model_config": wide}
+        return predict(registries, tmp_path, {"dp": 2}, hw=hw, model=model, optimizer={"zero_stage": zero})
+
+    hidden, half, exposed = dp2(1.0), dp2(0.5), dp2(0.0)
+    assert hidden.term("data_parallel") < half.term("data_parallel") < exposed.term("data_parallel")
+    assert dp2(0.0, zero=3).term("data_parallel") > dp2(1.0, zero=3).term("data_parallel")
 
 
 def test_memory_bound_work_is_each_traced_op_and_its_bytes_at_the_memory_bandwidth(registries, tmp_path):

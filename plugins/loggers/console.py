@@ -72,6 +72,7 @@ class ConsoleLogger:
             ("lm_loss", "loss"),
             ("moe_aux_loss", "aux"),
             ("moe_max_load", "max_load"),
+            ("moe_rank_load", "rank_load"),
             ("lr", "lr"),
             ("tokens_per_sec", "tok/s"),
             ("mfu", "mfu"),

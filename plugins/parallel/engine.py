@@ -274,7 +274,7 @@ class ParallelEngine:
             routing = StepRoutingStatistics.of_step(
                 self.moe_local, len(self.local.moe_layers), self.local.moe_experts, self.grid
             )
-        metrics = routing.metrics() if routing is not None else {}
+        metrics = routing.metrics(self.grid.ep) if routing is not None else {}
         if self.prediction is not None:  # every rank takes part: the losses live on the last stage
             for name, value in self.prediction.step_sums().items():
                 metrics[name] = self.grid.loss_on_every_rank(value.to(self.device))

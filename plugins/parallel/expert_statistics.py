@@ -80,10 +80,15 @@ class StepRoutingStatistics:
             setattr(self, field.name, packed[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, ep: int = 1) -> dict[str, float]:
         """`moe_aux_loss` and `moe_z_loss` (each layer's mean over the step's micro-batches, summed over
-        layers, where any layer has one) and `moe_max_load` (the busiest expert's tokens over the mean,
-        worst layer); empty when a layer recorded no forward (e.g. a step of evaluation only)."""
+        layers, where any layer has one), `moe_max_load` (the busiest expert's tokens over the mean,
+        worst layer) and, under expert parallelism (`ep` > 1, experts split in contiguous runs as the
+        dispatch does), `moe_rank_load`: the busiest ep rank's routed tokens summed over the sparse
+        layers, over the balanced share. That is what the memory plan's `--expert-load-factor` means
+        (a rank holds every sparse layer's routed activations at once), between 1 and ep; moe_max_load
+        can reach experts / top_k even when every rank gets its share. Empty when a layer recorded no
+        forward (e.g. a step of evaluation only)."""
         batches = self.micro_batches
         if not bool((batches > 0).all()):
             return {}
@@ -95,4 +100,9 @@ class StepRoutingStatistics:
         counts = self.tokens_per_expert
         mean = counts.mean(dim=1).clamp_min(1e-12)
         metrics["moe_max_load"] = float((counts.max(dim=1).values / mean).max())
+        layers, experts = counts.shape
+        total = float(counts.sum())
+        if ep > 1 and experts % ep == 0 and total > 0:
+            per_rank = counts.reshape(layers, ep, experts // ep).sum(dim=(0, 2))
+            metrics["moe_rank_load"] = float(per_rank.max()) / (total / ep)
         return metrics

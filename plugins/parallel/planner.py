@@ -20,7 +20,8 @@ chunks, the way the engine builds it. Then, in bytes:
   it shards, sequence parallelism the norms too; full recompute keeps each recomputed block's input,
   selective drops the attention core's outputs. Under expert parallelism a sparse layer's routed
   activations (`moe_mlp`) are sized for the busiest rank: x the expert-load factor (`nanocore plan
-  --expert-load-factor`; 1 is balanced routing; without ep every slot is local and the factor is moot).
+  --expert-load-factor`; 1 is balanced routing, ep the most: one rank gets every routed token; without ep
+  every slot is local and the factor is moot).
   Plus the backward's working set: the loss's float32
   softmax over the logits and one decoder layer's activations; on a stage without the loss,
   autograd's fresh gradient of its largest parameter (the embedding's, before it is added to the
@@ -188,7 +189,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda", expert_lo
                     mb_tokens,
                     dtype_bytes,
                     cp,
-                    expert_load_factor if ep > 1 else 1.0,
+                    min(expert_load_factor, ep) if ep > 1 else 1.0,  # a rank gets every token at most
                 )
             # ZeRO-2: two buckets of staging (one reducing, one filling; a parameter larger than a bucket is
             # a bucket of its own) and the reduced share of one. They fill as backward frees activations,

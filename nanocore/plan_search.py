@@ -121,6 +121,7 @@ class SearchResult:
     faster_misfits: list[Ranked]  # predicted faster than the first that fits, but over the memory
     rejected: list[tuple[str, int]]  # the config checks' first messages and how many layouts each rejected
     config_layout: Ranked | None  # the config's own layout, as predicted (and planned)
+    complete: bool = True  # False: the time budget ran out before every layout was enumerated
 
 
 def _divisors(n: int) -> list[int]:
@@ -243,14 +244,21 @@ def search(
     top: int = 5,
     expert_load_factor: float = 1.0,
     progress: Callable[[str], None] | None = None,
+    budget_seconds: float | None = None,
 ) -> SearchResult:
-    """Search the layouts of `config` on `world_size` devices of `hardware` (see the module docstring)."""
+    """Search the layouts of `config` on `world_size` devices of `hardware` (see the module docstring).
+    With `budget_seconds`, enumeration stops when it is spent and the layouts predicted so far are
+    ranked (`complete` is then False): the start-of-run summary's advice must not hold a run up."""
     start = time.monotonic()
     last = start
     rejected: Counter[str] = Counter()
     predicted: list[Ranked] = []
     enumerated = 0
+    complete = True
     for layout in layouts(config, registries, world_size, hardware.devices_per_node):
+        if budget_seconds is not None and time.monotonic() - start > budget_seconds:
+            complete = False
+            break
         enumerated += 1
         candidate = layout.apply(config)
         try:
@@ -301,4 +309,5 @@ def search(
         faster_misfits=misfits,
         rejected=rejected.most_common(),
         config_layout=None,
+        complete=complete,
     )

@@ -164,6 +164,7 @@ def _plan_line(run: RunFacts) -> str:
 
 
 SLOWER_THAN_BEST = 1.2  # the summary warns when the best searched layout is predicted this much faster
+SEARCH_BUDGET_SECONDS = 20.0  # the other ranks wait in their next collective meanwhile
 
 
 def _search_line(run: RunFacts) -> str | None:
@@ -180,7 +181,16 @@ def _search_line(run: RunFacts) -> str | None:
     try:
         hardware = load_hardware(cfg.general.hardware)
         own = predict_for(cfg, run.registries, hardware, device)
-        result = search(cfg, run.registries, engine.world_size, hardware, hardware.memory_bytes, device=device, top=1)
+        result = search(
+            cfg,
+            run.registries,
+            engine.world_size,
+            hardware,
+            hardware.memory_bytes,
+            device=device,
+            top=1,
+            budget_seconds=SEARCH_BUDGET_SECONDS,
+        )
     except Exception as exc:  # advice must not stop the run
         return f"layout advice: unavailable ({type(exc).__name__}: {exc})"
     if own is None or not result.best:
@@ -188,11 +198,14 @@ def _search_line(run: RunFacts) -> str | None:
     best = result.best[0].prediction
     if best.tokens_per_sec_per_device <= SLOWER_THAN_BEST * own.tokens_per_sec_per_device:
         return None
+    partial = ""
+    if not result.complete:
+        partial = f" (of the {result.enumerated:,} layouts searched in {SEARCH_BUDGET_SECONDS:g} s)"
     return (
         f"WARNING layout: predicted {own.tokens_per_sec_per_device:,.0f} tokens/s per device on {hardware.name}; "
         f"nanocore plan --search predicts {best.tokens_per_sec_per_device:,.0f} "
         f"({best.tokens_per_sec_per_device / own.tokens_per_sec_per_device:.2f}x) for "
-        f"{result.best[0].layout.label()} (docs/planning.md)"
+        f"{result.best[0].layout.label()}{partial} (docs/planning.md)"
     )
 
 

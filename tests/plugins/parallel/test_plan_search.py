@@ -65,6 +65,16 @@ def test_the_first_choice_is_the_fastest_layout_that_passes_the_checks_and_fits(
     assert result.enumerated > result.passed_checks and result.rejected  # the checks turned some away
 
 
+def test_a_time_budget_ranks_what_it_reached_and_says_it_stopped(tmp_path, registries):
+    """The start-of-run summary searches with a budget (a large model on many devices takes minutes):
+    when it runs out, enumeration stops and what was predicted is ranked, marked incomplete."""
+    config = config_of(tmp_path, registries)
+    whole = search(config, registries, 4, HW, HW.memory_bytes, device="cpu", top=1)
+    assert whole.complete
+    cut = search(config, registries, 4, HW, HW.memory_bytes, device="cpu", top=1, budget_seconds=0.0)
+    assert not cut.complete and cut.enumerated < whole.enumerated
+
+
 def test_a_faster_layout_that_does_not_fit_says_which_term_overflows(tmp_path, registries):
     config = config_of(tmp_path, registries)
     roomy = search(config, registries, 4, HW, HW.memory_bytes, device="cpu", top=40)

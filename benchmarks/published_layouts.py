@@ -126,18 +126,25 @@ def config_for(row: tuple, micro_batch: int = 1) -> dict:
     }
 
 
-def predict_row(row: tuple, hardware: str, folder: Path) -> dict:
+def predict(data: dict, path: Path, gpus: int, hardware: str):  # -> nanocore TimePrediction
+    """`nanocore plan --hardware`'s prediction of the config `data`, written to `path` first (so that a
+    search can read it again)."""
     from nanocore.config.load import load_config
     from nanocore.hardware import load_hardware
     from nanocore.plan import predict_for
 
-    params, heads, hidden, layers, tp, pp, gpus, batch, published = row
-    path = folder / f"gpt_{params:g}b.yaml"
-    path.write_text(yaml.safe_dump(config_for(row), sort_keys=False))
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     loaded = load_config(path, world_size=gpus)
-    start = time.perf_counter()
     prediction = predict_for(loaded.config, loaded.plugins.registries, load_hardware(hardware), "cuda", 1.0)
     assert prediction is not None
+    return prediction
+
+
+def predict_row(row: tuple, hardware: str, folder: Path) -> dict:
+    params, heads, hidden, layers, tp, pp, gpus, batch, published = row
+    path = folder / f"gpt_{params:g}b.yaml"
+    start = time.perf_counter()
+    prediction = predict(config_for(row), path, gpus, hardware)
     flops = paper_flops(batch, hidden, layers)
     predicted = flops / prediction.step_seconds / gpus / 1e12
     return {
@@ -159,10 +166,6 @@ def predict_row(row: tuple, hardware: str, folder: Path) -> dict:
 
 
 def predict_torchtitan(gpus: int, local_batch: int, published: float, folder: Path) -> dict:
-    from nanocore.config.load import load_config
-    from nanocore.hardware import load_hardware
-    from nanocore.plan import predict_for
-
     root = Path(__file__).resolve().parents[1]
     data = yaml.safe_load((root / "examples" / "config_llama3_8b.yaml").read_text())
     data["parallelism"] = {"dp": gpus, "tp": 1, "pp": 1, "recompute_granularity": "selective"}
@@ -170,11 +173,7 @@ def predict_torchtitan(gpus: int, local_batch: int, published: float, folder: Pa
     data["optimizer"]["zero_stage"] = 3
     data.pop("checkpoints", None)
     data.pop("logging", None)
-    path = folder / f"llama3_8b_fsdp{gpus}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    loaded = load_config(path, world_size=gpus)
-    prediction = predict_for(loaded.config, loaded.plugins.registries, load_hardware("h100-sxm"), "cuda", 1.0)
-    assert prediction is not None
+    prediction = predict(data, folder / f"llama3_8b_fsdp{gpus}.yaml", gpus, "h100-sxm")
     return {
         "run": f"Llama 3.1 8B, FSDP {gpus}, local batch {local_batch}",
         "published_tokens_per_sec_per_gpu": published,
@@ -184,14 +183,6 @@ def predict_torchtitan(gpus: int, local_batch: int, published: float, folder: Pa
         "dominant": prediction.dominant,
         "terms": {t.name: t.seconds for t in prediction.terms},
     }
-
-
-def describe(lay: object) -> str:
-    d = lay  # a plan_search.Layout
-    return (
-        f"dp{d.dp} tp{d.tp} pp{d.pp} cp{d.cp} {d.schedule} v{d.virtual} {d.tp_mode}{' async' if d.tp_async else ''} "
-        f"ZeRO-{d.zero} mbs {d.micro_batch_size} recompute {d.recompute or 'off'}"
-    )
 
 
 def search_row(row: tuple, hardware: str, path: str, top: int, own_step: float) -> dict:
@@ -226,9 +217,9 @@ def search_row(row: tuple, hardware: str, path: str, top: int, own_step: float) 
         "seconds": time.perf_counter() - start,
         "published_rank": rank,  # None: below the top K
         "published_tp_pp_first_rank": same_mesh,
-        "first_choice": describe(first.layout) if first else None,
+        "first_choice": first.layout.label() if first else None,
         "first_choice_speedup": own_step / first.prediction.step_seconds if first else None,
-        "top": [(describe(r.layout), r.prediction.step_seconds) for r in result.best],
+        "top": [(r.layout.label(), r.prediction.step_seconds) for r in result.best],
     }
 
 

@@ -96,8 +96,17 @@ def _time_collective(fn: Callable[[], object], seconds: float, sync: Callable[[]
     one = max(time.perf_counter() - start, 1e-9)
     calls = torch.tensor([min(max(math.ceil(seconds / one), 3), 200)], dtype=torch.int64, device=device)
     dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    return _best_of(fn, int(calls.item()), sync)
+
+
+def _best_of(fn: Callable[[], object], calls: int, sync: Callable[[], None], barrier: bool = False) -> float:
+    """Best time of one call of `fn` over exactly `calls` calls (each after a barrier, with `barrier`)."""
+    import torch.distributed as dist
+
     best = float("inf")
-    for _ in range(int(calls.item())):
+    for _ in range(calls):
+        if barrier:
+            dist.barrier()
         start = time.perf_counter()
         fn()
         sync()
@@ -115,15 +124,8 @@ def _overlap(world: int, device: torch.device, sync: Callable[[], None]) -> floa
     x = torch.ones(2**20, device=device)
     a = torch.randn(512, 512, device=device)
 
-    def best(fn: Callable[[], object], reps: int = 5) -> float:
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - start)
-        return min(times)
+    def best(fn: Callable[[], object]) -> float:
+        return _best_of(fn, 5, sync, barrier=True)
 
     comm = best(lambda: dist.all_reduce(x))
     one = best(lambda: torch.mm(a, a))

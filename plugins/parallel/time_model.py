@@ -135,6 +135,11 @@ def inventory(config: Config, registries: Registries, tp: int) -> Inventory:
     return _INVENTORIES[key]
 
 
+def _is_lookup(module: nn.Module) -> bool:
+    """An embedding: its weight is read by rows (a lookup, no matmul); its last dimension is the hidden size."""
+    return isinstance(module, nn.Embedding) or "Embedding" in type(module).__name__
+
+
 def _read_inventory(config: Config, registries: Registries, tp: int) -> Inventory:
     entry = registries.model.get(config.model.model_type)
     model = meta_model(entry, config.model, vocab_multiple=config.model.make_vocab_size_divisible_by * tp)
@@ -158,7 +163,7 @@ def _read_inventory(config: Config, registries: Registries, tp: int) -> Inventor
         is_moe = any(name == layer or layer.startswith(name + ".") for name in block for layer in moe)
         for name in block:
             for module in model.get_submodule(name).modules():
-                lookup = isinstance(module, nn.Embedding) or "Embedding" in type(module).__name__
+                lookup = _is_lookup(module)
                 for p in module.parameters(recurse=False):
                     if id(p) in seen:
                         continue
@@ -236,14 +241,8 @@ def trace_memory_bound(config: Config, registries: Registries) -> tuple[MemoryBo
     entry = registries.model.get(config.model.model_type)
     model = meta_model(entry, config.model, vocab_multiple=config.model.make_vocab_size_divisible_by)
     params = {id(p) for p in model.parameters()}
-    hidden = 0
-    for module in model.modules():
-        if isinstance(module, nn.Embedding) or "Embedding" in type(module).__name__:
-            weights = [p for p in module.parameters(recurse=False) if p.dim() == 2]
-            if weights:
-                hidden = int(weights[0].shape[-1])
-                break
-    counter = _Counter(hidden, params)
+    lookups = [p for m in model.modules() if _is_lookup(m) for p in m.parameters(recurse=False) if p.dim() == 2]
+    counter = _Counter(int(lookups[0].shape[-1]) if lookups else 0, params)
     patterns = list(getattr(model, "selective_recompute_modules", None) or [])
     handles = []
     for name, module in model.named_modules():

@@ -6,13 +6,19 @@ the weight gradients when the rank would otherwise wait. Nothing in the model ha
 - I: every autograd node that leads to the stage's input is on the *input path*. A node on that path
   with an edge leading (off the path) to a weight is a *split node*: the matrix multiply of a linear
   layer, a norm's weight, the gate of a router. I runs `torch.autograd.grad` for the input only, so
-  autograd skips what only weights need (a linear layer's `x^T g`), and a pre-hook on each split node
-  keeps the gradient it received. The graph is retained for W.
-- W: from each split node again with the kept gradient, `torch.autograd.backward(..., inputs=weights)`
-  runs only what leads to those weights, accumulating into `.grad` as an ordinary backward would
-  (so gradient hooks, buckets and ZeRO reductions fire as usual). Split nodes are grouped by the
-  weights they reach; within a group whose nodes lie on one another's path a pre-hook replaces what
-  flows into a node with what it kept, so nothing is counted twice.
+  autograd skips what only weights need (a linear layer's `x^T g`), and the engine itself keeps the
+  gradient each split node received (its edges are among the `inputs` of that call: no Python hook
+  runs per node). The graph is retained for W.
+- W, linear layers (a built-in `mm` whose weight side is its only edge off the input path): W
+  multiplies the kept gradient by the saved input exactly as autograd's `mm` backward would, and one
+  `torch.autograd.backward` from all those weight-side edges accumulates them into `.grad` as an
+  ordinary backward would (so gradient hooks, buckets and ZeRO reductions fire as usual). This is
+  most of W's work; one engine call per split node, each re-entering the node, cost 10 % of a
+  backward on CPU (`python benchmarks/pipeline_schedules.py` shows the effect on whole steps).
+- W, every other split node (a norm's weight, a router): from the node again with the kept gradient,
+  `torch.autograd.backward(..., inputs=weights)` runs only what leads to those weights. Such nodes
+  are grouped by the weights they reach; within a group whose nodes lie on one another's path a
+  pre-hook replaces what flows into a node with what it kept, so nothing is counted twice.
 - A node that is not a built-in (a custom autograd function, a compiled block) computes every output
   whenever it runs; if I already produced its weight-side gradients they are kept and W starts past
   the node (its weight gradients are then not deferred, but not computed twice either).
@@ -48,11 +54,29 @@ class _Call:
 
 
 @attrs.define
+class _Linear:
+    """A matrix multiply `x @ w` whose `w` side leads only to weights (a linear layer): W computes
+    `w`'s gradient itself, as autograd's `mm` backward would, and hands it to the node below."""
+
+    node: Node
+    grad: torch.Tensor  # what the multiply received in I
+
+    def weight_gradient(self) -> torch.Tensor:
+        x, g = self.node._saved_self, self.grad
+        sizes, strides = self.node._saved_mat2_sym_sizes, self.node._saved_mat2_sym_strides
+        # autograd's mm_mat2_backward, branch for branch (so the result is the same to the bit)
+        if strides[0] == 1 and strides[1] == sizes[0]:
+            return g.t().mm(x).t()
+        return x.t().mm(g)
+
+
+@attrs.define
 class WeightGradients:
     """What W needs after I: the calls to make (or, without an input path, the whole backward)."""
 
     calls: list[_Call]
     whole: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    linears: list[_Linear] = attrs.Factory(list)
 
     def run(self) -> None:
         """Compute and accumulate the weight gradients; frees the graph."""
@@ -62,6 +86,13 @@ class WeightGradients:
             torch.autograd.backward(output, grad)
             return
         calls, self.calls = self.calls, []
+        linears, self.linears = self.linears, []
+        if linears:
+            # one engine call for every linear layer: each root leads only to its own weight
+            roots = [GradientEdge(*lin.node.next_functions[1]) for lin in linears]
+            grads = [lin.weight_gradient() for lin in linears]
+            del linears
+            torch.autograd.backward(roots, grads)
         for call in calls:
             handles = [n.register_prehook(_pinned(kept)) for n, kept in call.pinned.items()]
             try:
@@ -75,6 +106,11 @@ def _pinned(kept: tuple):
     return lambda grad_outputs: kept
 
 
+def _is_linear(node: Node, edges: list[tuple[int, Node, int]]) -> bool:
+    """A built-in `mm` whose only edge off the input path is its second operand's (the weight)."""
+    return type(node).__name__ == "MmBackward0" and [i for i, _, _ in edges] == [1]
+
+
 def backward_input(
     output: torch.Tensor, grad: torch.Tensor | None, input: torch.Tensor | None, weights: list[torch.Tensor]
 ) -> tuple[torch.Tensor | None, WeightGradients]:
@@ -86,8 +122,6 @@ def backward_input(
     target = _node_of(input)
     on_path, to_weight = _classify(output.grad_fn, target, accumulators)
 
-    kept_in: dict[Node, tuple] = {}
-    kept_out: dict[Node, tuple] = {}
     splits: list[tuple[Node, list[tuple[int, Node, int]]]] = []
     for node, reaches in on_path.items():
         if not reaches:
@@ -99,28 +133,47 @@ def backward_input(
         ]
         if edges:
             splits.append((node, edges))
-    handles = []
-    for node, _ in splits:
-        handles.append(node.register_prehook(lambda g, node=node: kept_in.__setitem__(node, g)))
-        handles.append(node.register_hook(lambda gi, go, node=node: kept_out.__setitem__(node, gi)))
+    # What each split node receives is captured by the engine itself (a gradient edge among the
+    # inputs of `grad`); a custom function's node (it computes every output whenever it runs) is
+    # also watched for the weight-side gradients it produces.
+    captured = [GradientEdge(node, k) for node, _ in splits for k in range(len(node._input_metadata))]
+    kept_out: dict[Node, tuple] = {}
+    handles = [
+        node.register_hook(lambda gi, go, node=node: kept_out.__setitem__(node, gi))
+        for node, _ in splits
+        if isinstance(node, torch.autograd.function.BackwardCFunction)
+    ]
     try:
-        (input_grad,) = torch.autograd.grad(output, input, grad, retain_graph=True)
+        input_grad, *received_all = torch.autograd.grad(
+            output, [input, *captured], grad, retain_graph=True, allow_unused=True
+        )
     finally:
         for h in handles:
             h.remove()
+    kept_in: dict[Node, tuple] = {}
+    at = 0
+    for node, _ in splits:
+        n = len(node._input_metadata)
+        kept_in[node] = tuple(received_all[at : at + n])
+        at += n
 
-    # roots of W: a split node run again from what it received, or (when it already produced them)
-    # the weight-side edges it computed; grouped by the weights they reach
+    # roots of W: a linear layer's weight gradient computed directly; otherwise a split node run
+    # again from what it received, or (when it already produced them) the weight-side edges it
+    # computed; grouped by the weights they reach
+    linears: list[_Linear] = []
     groups: list[tuple[list, list, set[Node], list[Node]]] = []  # roots, grads, weight nodes, rerun nodes
     owner: dict[Node, int] = {}
     for node, edges in splits:
         produced = kept_out.get(node)
+        received = kept_in.get(node, ())
+        if produced is None and _is_linear(node, edges) and received[0] is not None:
+            linears.append(_Linear(node, received[0]))
+            continue
         if produced is not None and all(produced[i] is not None for i, _, _ in edges):
             roots = [GradientEdge(child, nr) for _, child, nr in edges]
             grads = [produced[i] for i, _, _ in edges]
             rerun: list[Node] = []
         else:
-            received = kept_in.get(node, ())
             roots = [GradientEdge(node, k) for k, g in enumerate(received) if g is not None]
             grads = [g for g in received if g is not None]
             rerun = [node]
@@ -151,7 +204,7 @@ def backward_input(
         for roots, grads, weights, rerun in groups
         if roots
     ]
-    return input_grad, WeightGradients(calls)
+    return input_grad, WeightGradients(calls, linears=linears)
 
 
 def _classify(

@@ -129,3 +129,32 @@ def test_w_does_not_recompute_the_input_path():
         h.remove()
     mms = [e for e in prof.function_events if e.name == "aten::mm"]
     assert len(mms) == 4 and not seen
+
+
+def test_linear_weight_gradients_computed_in_w_match_autograd_bit_for_bit_in_either_layout():
+    """W computes a linear layer's weight gradient itself (no second pass through its node): the
+    same bits as autograd's for a weight stored [out, in] (nn.Linear) or [in, out] (x @ w), and a
+    weight used twice in the stage gets both uses."""
+    torch.manual_seed(0)
+    row = nn.Parameter(torch.randn(8, 12))  # x @ row: mm's second operand as stored
+    lin = nn.Linear(12, 8, bias=False)  # used twice below: x @ weight.T, column-major
+    params = [row, lin.weight]
+
+    def stage(x):
+        h = torch.tanh(x @ row)
+        return lin(torch.tanh(lin(h) @ row))
+
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    g = torch.randn(3, 5, 8)
+    stage(x).backward(g)
+    expected = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    x2 = x.detach().clone().requires_grad_()
+    input_grad, work = backward_input(stage(x2), g, x2, params)
+    assert all(p.grad is None for p in params)
+    assert len(work.linears) == 4 and not work.calls, "every multiply is a linear layer's"
+    work.run()
+    torch.testing.assert_close(input_grad, x.grad, rtol=0, atol=0)
+    for p, e in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.grad, e, rtol=0, atol=0)

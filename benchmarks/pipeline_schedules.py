@@ -7,8 +7,9 @@ alternate the schedules (the order rotates every round) and each figure is the m
 so machine noise hits every schedule alike.
 
 Prediction: during the timed steps the executor records how long each action computed (its waits
-for messages left out: `ActionTimes`). Per rank, the step's F, B, I and W seconds over the
-micro-batches give the times `nanocore.pipeline_sim.simulate` needs; its makespan plus what the step
+for messages left out: `ActionTimes`). Per stage (a rank's chunks differ: under zbv's V rank 0 holds
+the embedding and the loss), the step's F, B, I and W seconds over the micro-batches give the times
+`nanocore.pipeline_sim.simulate` needs; its makespan plus what the step
 spends outside the pipeline (optimizer, gradient norm, the rest, measured) is the predicted step
 time. measured/predicted tokens/s below 1 is time the simulator does not see (messages,
 contention for the cores).
@@ -78,7 +79,7 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
             pipeline_s.append(time.perf_counter() - start)
 
     executor.run = timed_run
-    step_s, activation_kb, per_step_kind = [], [], []
+    step_s, activation_kb, per_step_kind, per_step_stage = [], [], [], []
     try:
         for step in range(steps + 1):
             executor.times = ActionTimes() if step > 0 else None
@@ -91,11 +92,13 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
                 step_s.append(elapsed)
                 activation_kb.append(kb("VmHWM") - base)
                 per_step_kind.append({k: sum(v) for k, v in executor.times.seconds.items()})
+                per_step_stage.append({f"{k}{s}": sum(v) for (k, s), v in executor.times.stage_seconds.items()})
     finally:
         executor.run = run
         executor = run = None  # they hold the pipeline's process groups, which close() destroys
         trainer.close()
     kinds = {k: statistics.median(d.get(k, 0.0) for d in per_step_kind) for k in ("F", "B", "I", "W")}
+    stages = {k: statistics.median(d.get(k, 0.0) for d in per_step_stage) for k in per_step_stage[0]}
     results.put(
         (
             rank,
@@ -103,6 +106,7 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
                 "step_s": statistics.median(step_s),
                 "pipeline_s": statistics.median(pipeline_s[1:]),
                 "action_s": kinds,
+                "stage_action_s": stages,  # "F3": stage 3's forwards
                 "activation_kib": statistics.median(activation_kb),
                 "losses": losses,
             },
@@ -124,8 +128,10 @@ def predict(schedule_name: str, pp: int, m: int, got: list[dict]) -> tuple[float
 
     v = VIRTUAL.get(schedule_name, 1)
     schedule = _schedules().get(schedule_name).factory(None)
-    per = {k: [g["action_s"][k] / m for g in got] for k in ("F", "B", "I", "W")}
-    split = per["I"][0] > 0
+    stages = {s: g["stage_action_s"] for g in got for s in {int(k[1:]) for k in g["stage_action_s"]}}
+    # one time per stage: a rank's chunks differ (under a V rank 0 embeds and computes the loss)
+    per = {k: [stages[s].get(f"{k}{s}", 0.0) / m for s in range(pp * v)] for k in ("F", "B", "I", "W")}
+    split = any(per["I"]) or any(per["W"])
     backward = [i + w for i, w in zip(per["I"], per["W"], strict=True)] if split else per["B"]
     result = simulate(
         schedule,

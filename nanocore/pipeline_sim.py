@@ -148,8 +148,10 @@ def simulate(
 
     `t_forward` / `t_backward` are the time one rank needs for the forward / backward of all its
     layers on one microbatch; `t_input` / `t_weight` those of a split backward's halves (default
-    half of `t_backward` each). Each is one number for every rank or a list with one per rank
-    (stages differ: the first embeds, the last computes the loss). Raises `ScheduleError` for an
+    half of `t_backward` each). Each is one number for every rank, a list with one per rank (shared
+    evenly by its chunks), or a list with one per stage (`pp_size * num_chunks`, in stage order:
+    where a rank's chunks differ, as under a V whose rank 0 holds both the embedding and the loss).
+    Stages differ: the first embeds, the last computes the loss. Raises `ScheduleError` for an
     incomplete list or a deadlock. Chunks sit where the schedule places them
     (`nanocore.pipeline_api.stage_of`); for explicit lists, `placement` is an object with that
     `stage_of` method (default: Megatron's loop). `first_stage_whole`: the first stage's I is empty
@@ -161,14 +163,19 @@ def simulate(
     stage_at = {(rank, chunk): stage for stage, (rank, chunk) in enumerate(owners)}
     validate(lists, num_microbatches, num_chunks, stage_at)
     m, last_stage = num_microbatches, pp_size * num_chunks - 1
-    backward = _per_rank(t_backward, pp_size, "t_backward")
+    owner_of = [rank for rank, _ in owners]
+
+    def per_stage(value: float | Sequence[float], name: str) -> list[float]:
+        return _per_stage(value, owner_of, pp_size, num_chunks, name)
+
+    backward = per_stage(t_backward, "t_backward")
     times = {
-        "F": _per_rank(t_forward, pp_size, "t_forward"),
+        "F": per_stage(t_forward, "t_forward"),
         "B": backward,
-        "I": [b / 2 for b in backward] if t_input is None else _per_rank(t_input, pp_size, "t_input"),
-        "W": [b / 2 for b in backward] if t_weight is None else _per_rank(t_weight, pp_size, "t_weight"),
+        "I": [b / 2 for b in backward] if t_input is None else per_stage(t_input, "t_input"),
+        "W": [b / 2 for b in backward] if t_weight is None else per_stage(t_weight, "t_weight"),
     }
-    duration = [{kind: t[rank] / num_chunks for kind, t in times.items()} for rank in range(pp_size)]
+    duration = [{kind: t[stage] for kind, t in times.items()} for stage in range(last_stage + 1)]
     if first_stage_whole is None:  # its I is empty, its W the whole backward
         first_stage_whole = t_input is None and t_weight is None
     # finish[kind][stage * m + microbatch]; -1.0 = not run yet. "G": the input gradient is ready (B or I)
@@ -202,9 +209,9 @@ def simulate(
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(rank)
                 break
-            took = duration[rank][a.kind]
+            took = duration[stage][a.kind]
             if stage == 0 and first_stage_whole and a.kind in ("I", "W"):
-                took = 0.0 if a.kind == "I" else duration[rank]["B"]
+                took = 0.0 if a.kind == "I" else duration[stage]["B"]
             end = start + took
             timeline.append(TimedAction(start, end, a))
             free[rank] = end
@@ -235,13 +242,22 @@ def simulate(
     )
 
 
-def _per_rank(value: float | Sequence[float], pp_size: int, name: str) -> list[float]:
+def _per_stage(
+    value: float | Sequence[float], owner_of: Sequence[int], pp_size: int, num_chunks: int, name: str
+) -> list[float]:
+    """One time per stage from one for all ranks, one per rank (its chunks share it evenly) or one
+    per stage."""
+    stages = len(owner_of)
     if isinstance(value, (int, float)):
-        return [float(value)] * pp_size
+        return [float(value) / num_chunks] * stages
     values = [float(v) for v in value]
-    if len(values) != pp_size:
-        raise ScheduleError(f"{name}: expected one time per pipeline rank ({pp_size}), got {len(values)}")
-    return values
+    if len(values) == pp_size:
+        return [values[rank] / num_chunks for rank in owner_of]
+    if len(values) == stages:
+        return values
+    raise ScheduleError(
+        f"{name}: expected one time per pipeline rank ({pp_size}) or per stage ({stages}), got {len(values)}"
+    )
 
 
 def _peak_in_flight(actions: Sequence[Action]) -> int:

@@ -99,9 +99,11 @@ class ActionTimes:
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
         self.seconds: dict[str, list[float]] = {}
+        self.stage_seconds: dict[tuple[str, int], list[float]] = {}  # (kind, stage): a rank's chunks differ
 
-    def add(self, kind: str, seconds: float) -> None:
+    def add(self, kind: str, seconds: float, stage: int) -> None:
         self.seconds.setdefault(kind, []).append(seconds)
+        self.stage_seconds.setdefault((kind, stage), []).append(seconds)
 
 
 class PipelineExecutor:
@@ -221,7 +223,8 @@ class PipelineExecutor:
                 continue
             start, waited = times.clock(), self.p2p.waited
             run[action.kind](step, i, action.chunk, action.microbatch)
-            times.add(action.kind, times.clock() - start - (self.p2p.waited - waited))
+            took = times.clock() - start - (self.p2p.waited - waited)
+            times.add(action.kind, took, self.local.chunk_ids[action.chunk])
         if self.gradients is not None:
             self.gradients.final_backward(None)
         self.p2p.wait_all()

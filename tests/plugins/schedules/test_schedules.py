@@ -328,3 +328,18 @@ def test_zbv_needs_two_virtual_stages():
     assert ZBV.check(4, 8, 1)[0].startswith("parallelism.pp_virtual_stages: zbv places exactly 2 chunks per rank")
     with pytest.raises(ScheduleError, match="pp_virtual_stages: 2"):
         ZBV.actions(4, 0, 8, 3)
+
+
+def test_times_may_be_given_per_stage_where_a_ranks_chunks_differ():
+    """Under a V, rank 0 holds the first stage and the last (the loss): giving its two chunks one
+    shared time hides that the last stage is the slow one; per-stage times show it."""
+    p, m = 2, 8
+    even = simulate(ZBV, p, m, 2, t_forward=[2.0, 2.0], t_backward=[4.0, 4.0])
+    assert simulate(ZBV, p, m, 2, t_forward=[1.0, 1.0, 1.0, 1.0], t_backward=[2.0] * 4).makespan == even.makespan
+    # the same total per rank, but rank 0's last stage (stage 3) takes 3 of its 4 units
+    skewed = simulate(ZBV, p, m, 2, t_forward=[0.5, 1.0, 1.0, 1.5], t_backward=[1.0, 2.0, 2.0, 3.0])
+    assert skewed.makespan > even.makespan
+    stage3 = [t for t in skewed.timelines[0] if t.action.chunk == 1 and t.action.kind == "F"]
+    assert all(t.end - t.start == 1.5 for t in stage3)
+    with pytest.raises(ScheduleError, match=r"one time per pipeline rank \(2\) or per stage \(4\), got 3"):
+        simulate(ZBV, p, m, 2, t_forward=[1.0, 1.0, 1.0])

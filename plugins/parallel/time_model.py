@@ -540,11 +540,10 @@ def predict(
     chunks = _partition(len(inv.blocks), lay.pp * lay.virtual)
     p2p = pipeline_p2p_seconds(inv, lay, hw := hardware)
 
-    per_rank = []
     costs: dict[Block, dict[str, float]] = {}
-    for rank in range(lay.pp):
-        ids = [stage_of(schedule, c, rank, lay.pp, lay.virtual) for c in range(lay.virtual)]
-        blocks = [inv.blocks[int(b[0])] for i in ids for b in chunks[i]]
+    per_stage = []  # a rank's chunks differ (the first stage embeds, the last computes the loss)
+    for chunk in chunks:
+        blocks = [inv.blocks[int(b[0])] for b in chunk]
         sums = dict.fromkeys(("mm", "att", "mem", "rec", "tpf", "tpb", "cpf", "cpb", "epf", "epb"), 0.0)
         params = expert_params = 0
         for blk in blocks:
@@ -563,7 +562,7 @@ def predict(
                 sums[key] += value
             params += blk.params
             expert_params += blk.expert_params
-        messages = lay.virtual * p2p
+        messages = p2p
         forward = sums["mm"] + sums["att"] + sums["mem"] + sums["tpf"] + sums["cpf"] + sums["epf"] + messages
         weight = sums["mm"]
         inputs = (
@@ -576,7 +575,7 @@ def predict(
             + sums["epb"]
             + messages
         )
-        per_rank.append(
+        per_stage.append(
             {
                 **sums,
                 "F": forward,
@@ -590,8 +589,12 @@ def predict(
                 "p2p": 2 * messages,
             }
         )
+    per_rank = []
+    for rank in range(lay.pp):
+        ids = [stage_of(schedule, c, rank, lay.pp, lay.virtual) for c in range(lay.virtual)]
+        per_rank.append({k: sum(per_stage[i][k] for i in ids) for k in per_stage[0]})
     m = lay.microbatches
-    times = tuple(tuple(r[k] for r in per_rank) for k in ("F", "B", "I", "W"))
+    times = tuple(tuple(st[k] for st in per_stage) for k in ("F", "B", "I", "W"))  # one per stage
     key = (config.parallelism.pp_engine, lay.pp, m, lay.virtual, times)
     if key not in _MAKESPANS:  # layouts differing in what the pipeline does not see (ZeRO, cp mode) share it
         if len(_MAKESPANS) > 4096:

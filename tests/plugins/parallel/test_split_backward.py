@@ -3,6 +3,7 @@ gradients of one backward, fires the usual gradient hooks, and defers the work i
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -153,8 +154,46 @@ def test_linear_weight_gradients_computed_in_w_match_autograd_bit_for_bit_in_eit
     x2 = x.detach().clone().requires_grad_()
     input_grad, work = backward_input(stage(x2), g, x2, params)
     assert all(p.grad is None for p in params)
-    assert len(work.linears) == 4 and not work.calls, "every multiply is a linear layer's"
+    assert len(work.direct) == 4 and not work.calls, "every multiply is a linear layer's"
     work.run()
     torch.testing.assert_close(input_grad, x.grad, rtol=0, atol=0)
     for p, e in zip(params, expected, strict=True):
         torch.testing.assert_close(p.grad, e, rtol=0, atol=0)
+
+
+def _nodes(root):
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        stack.extend(child for child, _ in node.next_functions)
+
+
+def test_linear_layers_and_norm_weights_let_i_free_the_graph_as_one_backward_does():
+    """RMSNorm weights and linear layers (a LLaMA block's weights): W computes each weight gradient
+    itself from an operand taken before I, so I frees the graph as it goes (a split stage then holds
+    only what W multiplies, not every activation) and the gradients are still autograd's to the bit."""
+    from nanocore.model_parts.layers import GatedMLP, RMSNorm
+
+    torch.manual_seed(0)
+    a = nn.Sequential(RMSNorm(16, 1e-6), GatedMLP(16, 40), RMSNorm(16, 1e-6), GatedMLP(16, 40))
+    for p in a.parameters():
+        p.data.normal_()
+    b = nn.Sequential(RMSNorm(16, 1e-6), GatedMLP(16, 40), RMSNorm(16, 1e-6), GatedMLP(16, 40))
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    g = torch.randn(2, 5, 16)
+    a(x).backward(g)
+    x2 = x.detach().clone().requires_grad_()
+    y = b(x2)
+    silu = [n for n in _nodes(y.grad_fn) if type(n).__name__ == "SiluBackward0"]
+    input_grad, work = backward_input(y, g, x2, list(b.parameters()))
+    assert work.frees_graph and len(work.direct) == 8 and not work.calls
+    with pytest.raises(RuntimeError, match="freed"):
+        silu[0]._saved_self  # noqa: B018  an activation only I needed: gone, as after one backward
+    work.run()
+    torch.testing.assert_close(input_grad, x.grad, rtol=0, atol=0)
+    _assert_same_grads(a, b)

@@ -25,6 +25,7 @@ without one every matmul runs at the peak.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from importlib import resources
 from pathlib import Path
@@ -44,6 +45,12 @@ class Link:
 
     bandwidth: float
     latency: float
+
+
+@functools.lru_cache(maxsize=16)
+def _log_sizes(curve: tuple[tuple[float, float], ...]) -> tuple[float, ...]:
+    """The curve's matmul sizes on the log scale it is interpolated in (a search asks ~10^5 times)."""
+    return tuple(math.log(max(x, 1.0)) for x, _ in curve)
 
 
 @attrs.frozen
@@ -84,7 +91,7 @@ class Hardware:
         curve = self.matmul_efficiency
         if not curve:
             return 1.0
-        xs = [math.log(max(x, 1.0)) for x, _ in curve]
+        xs = _log_sizes(curve)
         x = math.log(max(flops, 1.0))
         i = bisect.bisect_left(xs, x)
         if i == 0:

@@ -135,7 +135,8 @@ class WeightGradients:
         calls, self.calls = self.calls, []
         direct, self.direct = self.direct, []
         if direct:
-            # one engine call for all of them: each root leads only to its own weight
+            # one engine call for all of them: their roots lie off the input path, and where two
+            # reach the same node (a weight used twice) the engine sums, as one backward would
             roots = [d.root for d in direct]
             grads = [d.weight_gradient() for d in direct]
             del direct
@@ -196,6 +197,8 @@ def backward_input(
     finally:
         for h in handles:
             h.remove()
+    if input_grad is None:
+        raise RuntimeError("split backward: the stage's output does not depend on its input")
     kept_in: dict[Node, tuple] = {}
     at = 0
     for node, _ in splits:

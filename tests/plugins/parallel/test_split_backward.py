@@ -197,3 +197,11 @@ def test_linear_layers_and_norm_weights_let_i_free_the_graph_as_one_backward_doe
     work.run()
     torch.testing.assert_close(input_grad, x.grad, rtol=0, atol=0)
     _assert_same_grads(a, b)
+
+
+def test_an_output_that_does_not_depend_on_the_input_is_an_error():
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    y = torch.randn(2, 4, requires_grad=True) @ w  # not from x
+    with pytest.raises(RuntimeError, match="does not depend on its input"):
+        backward_input(y.sum(), None, x, [w])

@@ -15,9 +15,12 @@ time. measured/predicted tokens/s below 1 is time the simulator does not see (me
 contention for the cores).
 
 Memory: each rank's activation peak in a step (VmHWM above what was resident before it, as in
-`context_parallel_memory.py`). The simulator counts peak in-flight micro-batches per rank; 1F1B's
-measured peak over its count gives each rank's memory per in-flight micro-batch, and every other
-schedule is predicted as that times its own count.
+`context_parallel_memory.py`). The simulator weighs each stage's in-flight micro-batches by what one
+holds (`SimResult.peak_activation`), calibrated per stage from 1F1B (run first): a stage holds its
+decoder layers' activations (L each) and, the last stage, the logits and loss (H). 1F1B's measured
+peak on a rank over its in-flight count is that rank's stage; its first ranks give L (the
+embedding's output, one hidden state per token, is counted as nothing), the last gives H. Every
+schedule is then predicted stage by stage: under a V, rank 0 holds the first stage and the last.
 
     python benchmarks/pipeline_schedules.py                          # pp2: ~3 minutes on 2 CPU cores
     python benchmarks/pipeline_schedules.py --pp 2,4 --json pp.json  # and pp4 (4 processes)
@@ -43,7 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", default="2", help="pipeline sizes (comma-separated); pp processes each")
     p.add_argument(
-        "--schedules", default="1f1b,interleaved,zb1p,zbv", help="pp_engine values (1f1b first: it calibrates memory)"
+        "--schedules",
+        default="1f1b,interleaved,zb1p,zbv",
+        help="pp_engine values (1f1b first: it calibrates memory per stage)",
     )
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (the global batch)")
     p.add_argument("--seq", type=int, default=256)
@@ -146,6 +151,34 @@ def predict(schedule_name: str, pp: int, m: int, got: list[dict]) -> tuple[float
     return result.makespan, list(result.peak_in_flight_microbatches)
 
 
+def stage_layers(layers: int, stages: int) -> list[int]:
+    """Decoder layers in each stage, as the engine cuts the LLaMA's blocks (embedding, layers, head)."""
+    from nanocore_plugins.parallel.build import partition
+
+    blocks = [["embed"], *([f"layer{i}"] for i in range(layers)), ["head"]]
+    return [sum(b[0].startswith("layer") for b in chunk) for chunk in partition(blocks, stages)]
+
+
+def stage_memory(args: argparse.Namespace, pp: int, activation_kib: list[float], peaks: list[float]) -> tuple:
+    """(KiB per decoder layer L, KiB of the logits and loss H) of one micro-batch, from 1F1B's measured
+    activation peak per rank over its in-flight micro-batches."""
+    per_mb = [a / p for a, p in zip(activation_kib, peaks, strict=True)]
+    layers = stage_layers(args.layers, pp)
+    per_layer = statistics.median(per_mb[r] / layers[r] for r in range(max(1, pp - 1)))
+    return per_layer, max(0.0, per_mb[-1] - layers[-1] * per_layer)
+
+
+def predict_memory(args: argparse.Namespace, name: str, pp: int, memory: tuple) -> list[float]:
+    """Each rank's predicted activation peak in KiB: the simulator's per-stage weighted peak."""
+    from nanocore.pipeline_sim import simulate
+
+    per_layer, head = memory
+    v = VIRTUAL.get(name, 1)
+    layers = stage_layers(args.layers, pp * v)
+    weight = [n * per_layer + (head if s == pp * v - 1 else 0.0) for s, n in enumerate(layers)]
+    return list(simulate(_schedules().get(name).factory(None), pp, args.microbatches, v, activation=weight).peak_activation)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     pps = [int(x) for x in args.pp.split(",")]
@@ -161,7 +194,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     tokens = args.microbatches * args.seq
     for pp in pps:
-        per_mb_kib: list[float] | None = None
+        memory: tuple | None = None
         for name in names:
             rounds = runs[(pp, name)]
             measured = statistics.median(r[0]["step_s"] for r in rounds)
@@ -172,12 +205,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 predicted_steps.append(makespan + outside)
             predicted = statistics.median(predicted_steps)
             activation = [statistics.median(r[rank]["activation_kib"] for r in rounds) for rank in range(pp)]
-            if per_mb_kib is None:  # the first schedule (1f1b) calibrates memory per in-flight micro-batch
-                per_mb_kib = [a / p for a, p in zip(activation, peaks, strict=True)]
+            if memory is None:  # the first schedule (1f1b) calibrates memory per stage
+                memory = stage_memory(args, pp, activation, peaks)
+            predicted_kib = predict_memory(args, name, pp, memory)
             # a tiny model's step can stay within memory already resident: 0 KiB measured, no ratio
-            memory_ratio = [
-                a / (k * p) if k * p > 0 else None for a, k, p in zip(activation, per_mb_kib, peaks, strict=True)
-            ]
+            memory_ratio = [a / k if k > 0 else None for a, k in zip(activation, predicted_kib, strict=True)]
             action = [
                 {k: statistics.median(r[rank]["action_s"][k] for r in rounds) / args.microbatches for k in "FBIW"}
                 for rank in range(pp)
@@ -194,6 +226,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     "seconds_per_microbatch_each_rank": action,
                     "activation_mib_each_rank": [a / 1024 for a in activation],
                     "peak_in_flight_microbatches": peaks,
+                    "predicted_activation_mib_each_rank": [k / 1024 for k in predicted_kib],
                     "memory_measured_over_predicted": memory_ratio,
                     "losses": rounds[0][0]["losses"],  # every rank reports the step loss
                 }

@@ -19,7 +19,7 @@ finish times already known; the simulator visits every action once (O(total acti
 from __future__ import annotations
 
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -48,6 +48,9 @@ class SimResult:
     bubble_fraction: float  # 1 - total busy / (pp_size * makespan)
     peak_in_flight: list[int]  # most (chunk, microbatch) activations held at once
     peak_in_flight_microbatches: list[float]  # the same in whole-rank microbatches: peak_in_flight / num_chunks
+    # most activation memory held at once, each stage's micro-batch weighted by `activation` (default:
+    # 1 per rank, shared evenly by its chunks: then equal to peak_in_flight_microbatches)
+    peak_activation: list[float]
     timelines: list[list[TimedAction]]
 
 
@@ -143,6 +146,7 @@ def simulate(
     t_weight: float | Sequence[float] | None = None,
     placement: object = None,
     first_stage_whole: bool | None = None,
+    activation: float | Sequence[float] = 1.0,
 ) -> SimResult:
     """Simulate one step of a `PipelineSchedule` (or of explicit per-rank action lists).
 
@@ -156,7 +160,8 @@ def simulate(
     (`nanocore.pipeline_api.stage_of`); for explicit lists, `placement` is an object with that
     `stage_of` method (default: Megatron's loop). `first_stage_whole`: the first stage's I is empty
     and its W the whole backward, as the executor runs it (None: so only when neither split time is
-    given).
+    given). `activation`: what one micro-batch's activations of a rank (or, a list per stage, of a
+    stage) weigh, for `SimResult.peak_activation`.
     """
     lists = _action_lists(schedule_or_action_lists, pp_size, num_microbatches, num_chunks)
     owners = stage_owners(schedule_or_action_lists if placement is None else placement, pp_size, num_chunks)
@@ -229,6 +234,11 @@ def simulate(
     busy = [sum(t.end - t.start for t in timeline) for timeline in timelines]
     bubble = 1.0 - sum(busy) / (pp_size * makespan) if makespan > 0 else 0.0
     peaks = [_peak_in_flight(actions) for actions in lists]
+    weight = per_stage(activation, "activation")
+    held = [
+        _peak_in_flight(actions, lambda a, rank=rank: weight[stage_at[(rank, a.chunk)]])
+        for rank, actions in enumerate(lists)
+    ]
     return SimResult(
         pp_size=pp_size,
         num_microbatches=num_microbatches,
@@ -238,6 +248,7 @@ def simulate(
         bubble_fraction=bubble,
         peak_in_flight=peaks,
         peak_in_flight_microbatches=[p / num_chunks for p in peaks],
+        peak_activation=held,
         timelines=timelines,
     )
 
@@ -260,11 +271,13 @@ def _per_stage(
     )
 
 
-def _peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most (chunk, microbatch) activations held at once: from F until B, or until W (I keeps them)."""
+def _peak_in_flight(actions: Sequence[Action], weight: Callable[[Action], float] | None = None) -> Any:
+    """Most (chunk, microbatch) activations held at once: from F until B, or until W (I keeps them),
+    each weighing `weight(action)` (default 1)."""
     held = peak = 0
     for a in actions:
-        held += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
+        sign = {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
+        held += sign * (1 if weight is None else weight(a))
         peak = max(peak, held)
     return peak
 

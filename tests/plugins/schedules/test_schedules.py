@@ -343,3 +343,20 @@ def test_times_may_be_given_per_stage_where_a_ranks_chunks_differ():
     assert all(t.end - t.start == 1.5 for t in stage3)
     with pytest.raises(ScheduleError, match=r"one time per pipeline rank \(2\) or per stage \(4\), got 3"):
         simulate(ZBV, p, m, 2, t_forward=[1.0, 1.0, 1.0])
+
+
+def test_peak_activation_weighs_each_stages_micro_batches():
+    """What a rank holds at its peak, in memory: 1F1B at pp2 holds two micro-batches on rank 0 and one
+    on rank 1; under a V, rank 0's heavy last stage (the logits) counts at its own weight."""
+    plain = simulate(ONE_F_ONE_B, 2, 4)
+    assert plain.peak_activation == plain.peak_in_flight_microbatches == [2.0, 1.0]
+    assert simulate(ONE_F_ONE_B, 2, 4, activation=[3.0, 5.0]).peak_activation == [6.0, 5.0]
+    even = simulate(ZBV, 2, 8, 2)
+    assert even.peak_activation == even.peak_in_flight_microbatches
+    only = [simulate(ZBV, 2, 8, 2, activation=[float(s == k) for s in range(4)]).peak_activation for k in range(4)]
+    # each stage's own micro-batches, on the rank that holds it (rank 0: stages 0 and 3)
+    assert [only[k][0] for k in (1, 2)] == [0.0, 0.0] and [only[k][1] for k in (0, 3)] == [0.0, 0.0]
+    assert all(only[k][0] >= 1 for k in (0, 3)) and all(only[k][1] >= 1 for k in (1, 2))
+    heavy_last = simulate(ZBV, 2, 8, 2, activation=[1.0, 1.0, 1.0, 3.0]).peak_activation
+    assert heavy_last[1] == simulate(ZBV, 2, 8, 2, activation=[1.0] * 4).peak_activation[1]
+    assert only[3][0] * 3 + only[0][0] >= heavy_last[0] > even.peak_in_flight[0]

@@ -6,7 +6,7 @@ with --timeline, the picture of who computes when. With --table, comma-separated
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nanocore.errors import ConfigError
 
@@ -24,15 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", default="4", help="pipeline ranks")
     parser.add_argument("--microbatches", default="8", help="microbatches per step (batch_accumulation_per_replica)")
     parser.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (pp_virtual_stages)")
-    parser.add_argument("--t-forward", type=float, default=1.0, help="forward time of one rank's layers per microbatch")
+    times = "one number for every rank, or comma-separated: one per rank, or one per stage (pp x virtual stages)"
+    parser.add_argument("--t-forward", default="1.0", help=f"forward time of one rank's layers per microbatch: {times}")
+    parser.add_argument("--t-backward", default="2.0", help="backward time of one rank's layers per microbatch")
     parser.add_argument(
-        "--t-backward", type=float, default=2.0, help="backward time of one rank's layers per microbatch"
+        "--t-input", default=None, help="a split backward's input-gradient half (default: half of the backward)"
     )
     parser.add_argument(
-        "--t-input", type=float, default=None, help="a split backward's input-gradient half (default: half of it)"
-    )
-    parser.add_argument(
-        "--t-weight", type=float, default=None, help="a split backward's weight-gradient half (default: half of it)"
+        "--t-weight", default=None, help="a split backward's weight-gradient half (default: half of the backward)"
     )
     parser.add_argument(
         "--table",
@@ -67,8 +66,7 @@ def cmd_pipeline_sim(args: argparse.Namespace) -> int:
     result = _simulate(schedule, p, m, v, args)
 
     print(f"schedule {entry.name}: pp={p} microbatches={m} virtual_stages={v}")
-    ideal = m * (args.t_forward + args.t_backward)
-    print(f"makespan {result.makespan:g} (ideal without bubble {ideal:g})")
+    print(f"makespan {result.makespan:g} (ideal without bubble {max(result.busy):g})")
     line = f"bubble fraction {result.bubble_fraction:.6f}"
     theory = getattr(schedule, "theoretical_bubble", None)
     value = theory(p, m, v) if theory is not None else None
@@ -109,16 +107,36 @@ def _problems(entry: Entry, p: int, m: int, v: int) -> list[str]:
 def _simulate(schedule: PipelineSchedule, p: int, m: int, v: int, args: argparse.Namespace) -> SimResult:
     from nanocore.pipeline_sim import simulate
 
-    return simulate(
-        schedule,
-        p,
-        m,
-        v,
-        t_forward=args.t_forward,
-        t_backward=args.t_backward,
-        t_input=args.t_input,
-        t_weight=args.t_weight,
-    )
+    from nanocore.pipeline_api import ScheduleError
+
+    try:
+        return simulate(
+            schedule,
+            p,
+            m,
+            v,
+            t_forward=_times(args.t_forward, "--t-forward"),
+            t_backward=_times(args.t_backward, "--t-backward"),
+            t_input=_times(args.t_input, "--t-input"),
+            t_weight=_times(args.t_weight, "--t-weight"),
+        )
+    except ScheduleError as exc:
+        if str(exc).startswith("t_"):  # a list of the wrong length: say which flag
+            raise ConfigError("--" + str(exc).replace("_", "-", 1)) from None
+        raise
+
+
+def _times(text: str | float | None, flag: str) -> Any:
+    """One time, or a list of them (per rank or per stage)."""
+    if text is None:
+        return None
+    try:
+        values = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: expected a number or comma-separated numbers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise ConfigError(f"{flag}: expected non-negative times, got {text!r}")
+    return values[0] if len(values) == 1 and "," not in str(text) else values
 
 
 def _table(entries: list[Entry], pps: list[int], ms: list[int], v: int, args: argparse.Namespace) -> int:

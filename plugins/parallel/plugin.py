@@ -147,3 +147,15 @@ def register_parallel_engines(registry):
         plan=plan,
         predict=predict,
     )
+
+
+@hookimpl
+def register_commands(registry):
+    from . import pipeline_probe
+
+    registry.register(
+        "pipeline-probe",
+        pipeline_probe.run,
+        add_arguments=pipeline_probe.add_arguments,
+        description=pipeline_probe.DESCRIPTION,
+    )

@@ -176,7 +176,9 @@ def predict_memory(args: argparse.Namespace, name: str, pp: int, memory: tuple) 
     v = VIRTUAL.get(name, 1)
     layers = stage_layers(args.layers, pp * v)
     weight = [n * per_layer + (head if s == pp * v - 1 else 0.0) for s, n in enumerate(layers)]
-    return list(simulate(_schedules().get(name).factory(None), pp, args.microbatches, v, activation=weight).peak_activation)
+    return list(
+        simulate(_schedules().get(name).factory(None), pp, args.microbatches, v, activation=weight).peak_activation
+    )
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

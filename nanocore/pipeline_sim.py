@@ -19,7 +19,7 @@ finish times already known; the simulator visits every action once (O(total acti
 from __future__ import annotations
 
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -135,6 +135,48 @@ def validate(
             raise ScheduleError(f"rank {rank} never runs {shown}{more}")
 
 
+@attrs.frozen(eq=False)
+class PreparedSchedule:
+    """A schedule's action lists for one layout, checked (`validate`) and compiled for the simulator:
+    each action's stage, its slot in the finish table and what it waits for. Preparing once and
+    simulating many times (`makespan`) is how `nanocore plan --search` costs thousands of layouts."""
+
+    pp_size: int
+    num_microbatches: int
+    num_chunks: int
+    lists: list[list[Action]]
+    owners: list[tuple[int, int]]  # (rank, chunk) of each stage
+    # per rank, per action: (kind, stage, finish slot, dependencies as (kind, slot))
+    steps: list[list[tuple[str, int, int, tuple[tuple[str, int], ...]]]]
+
+
+def prepare(
+    schedule_or_action_lists: Any, pp_size: int, num_microbatches: int, num_chunks: int = 1, placement: object = None
+) -> PreparedSchedule:
+    """Check a schedule's (or explicit lists') actions for this layout and compile them (see `simulate`
+    for `placement`). Raises `ScheduleError` for an incomplete list."""
+    lists = _action_lists(schedule_or_action_lists, pp_size, num_microbatches, num_chunks)
+    owners = stage_owners(schedule_or_action_lists if placement is None else placement, pp_size, num_chunks)
+    stage_at = {(rank, chunk): stage for stage, (rank, chunk) in enumerate(owners)}
+    validate(lists, num_microbatches, num_chunks, stage_at)
+    m, last_stage = num_microbatches, pp_size * num_chunks - 1
+    steps: list[list[tuple[str, int, int, tuple[tuple[str, int], ...]]]] = []
+    for rank, actions in enumerate(lists):
+        compiled: list[tuple[str, int, int, tuple[tuple[str, int], ...]]] = []
+        for a in actions:
+            stage = stage_at[(rank, a.chunk)]
+            slot = stage * m + a.microbatch
+            if a.kind == "F":
+                deps: tuple[tuple[str, int], ...] = (("F", slot - m),) if stage > 0 else ()
+            elif a.kind == "W":
+                deps = (("I", slot),)
+            else:  # B or I: its forward, and the next stage's input gradient ("G": B or I done)
+                deps = (("F", slot), ("G", slot + m)) if stage < last_stage else (("F", slot),)
+            compiled.append((a.kind, stage, slot, deps))
+        steps.append(compiled)
+    return PreparedSchedule(pp_size, num_microbatches, num_chunks, lists, owners, steps)
+
+
 def simulate(
     schedule_or_action_lists: Any,
     pp_size: int,
@@ -163,82 +205,21 @@ def simulate(
     given). `activation`: what one micro-batch's activations of a rank (or, a list per stage, of a
     stage) weigh, for `SimResult.peak_activation`.
     """
-    lists = _action_lists(schedule_or_action_lists, pp_size, num_microbatches, num_chunks)
-    owners = stage_owners(schedule_or_action_lists if placement is None else placement, pp_size, num_chunks)
-    stage_at = {(rank, chunk): stage for stage, (rank, chunk) in enumerate(owners)}
-    validate(lists, num_microbatches, num_chunks, stage_at)
-    m, last_stage = num_microbatches, pp_size * num_chunks - 1
-    owner_of = [rank for rank, _ in owners]
-
-    def per_stage(value: float | Sequence[float], name: str) -> list[float]:
-        return _per_stage(value, owner_of, pp_size, num_chunks, name)
-
-    backward = per_stage(t_backward, "t_backward")
-    times = {
-        "F": per_stage(t_forward, "t_forward"),
-        "B": backward,
-        "I": [b / 2 for b in backward] if t_input is None else per_stage(t_input, "t_input"),
-        "W": [b / 2 for b in backward] if t_weight is None else per_stage(t_weight, "t_weight"),
-    }
-    duration = [{kind: t[stage] for kind, t in times.items()} for stage in range(last_stage + 1)]
-    if first_stage_whole is None:  # its I is empty, its W the whole backward
-        first_stage_whole = t_input is None and t_weight is None
-    # finish[kind][stage * m + microbatch]; -1.0 = not run yet. "G": the input gradient is ready (B or I)
-    finish = {kind: [-1.0] * ((last_stage + 1) * m) for kind in ("F", "B", "I", "W", "G")}
-    pos, free = [0] * pp_size, [0.0] * pp_size
+    prepared = prepare(schedule_or_action_lists, pp_size, num_microbatches, num_chunks, placement)
     timelines: list[list[TimedAction]] = [[] for _ in range(pp_size)]
-    waiting: dict[tuple[str, int], list[int]] = {}  # (kind, stage * m + mb) -> ranks blocked on it
-    ready = list(range(pp_size))
-    while ready:
-        rank = ready.pop()
-        actions, timeline = lists[rank], timelines[rank]
-        while pos[rank] < len(actions):
-            a = actions[pos[rank]]
-            stage = stage_at[(rank, a.chunk)]
-            if a.kind == "F":
-                deps = [("F", (stage - 1) * m + a.microbatch)] if stage > 0 else []
-            elif a.kind == "W":
-                deps = [("I", stage * m + a.microbatch)]
-            else:
-                deps = [("F", stage * m + a.microbatch)]
-                if stage < last_stage:
-                    deps.append(("G", (stage + 1) * m + a.microbatch))
-            start = free[rank]
-            blocked = None
-            for kind, index in deps:
-                done = finish[kind][index]
-                if done < 0:
-                    blocked = (kind, index)
-                    break
-                start = max(start, done)
-            if blocked is not None:
-                waiting.setdefault(blocked, []).append(rank)
-                break
-            took = duration[stage][a.kind]
-            if stage == 0 and first_stage_whole and a.kind in ("I", "W"):
-                took = 0.0 if a.kind == "I" else duration[stage]["B"]
-            end = start + took
-            timeline.append(TimedAction(start, end, a))
-            free[rank] = end
-            pos[rank] += 1
-            index = stage * m + a.microbatch
-            finish[a.kind][index] = end
-            ready.extend(waiting.pop((a.kind, index), ()))
-            if a.kind in ("B", "I"):
-                finish["G"][index] = end
-                ready.extend(waiting.pop(("G", index), ()))
-    if any(pos[r] < len(lists[r]) for r in range(pp_size)):
-        raise ScheduleError(_deadlock_message(lists, pos, owners))
-
-    makespan = max((t[-1].end for t in timelines if t), default=0.0)
-    busy = [sum(t.end - t.start for t in timeline) for timeline in timelines]
+    makespan, busy = _run(prepared, t_forward, t_backward, t_input, t_weight, first_stage_whole, timelines)
     bubble = 1.0 - sum(busy) / (pp_size * makespan) if makespan > 0 else 0.0
+    lists = prepared.lists
     peaks = [_peak_in_flight(actions) for actions in lists]
-    weight = per_stage(activation, "activation")
-    held = [
-        _peak_in_flight(actions, lambda a, rank=rank: weight[stage_at[(rank, a.chunk)]])
-        for rank, actions in enumerate(lists)
-    ]
+    if isinstance(activation, (int, float)):  # each chunk weighs activation / num_chunks
+        held = [p * float(activation) / num_chunks for p in peaks]
+    else:
+        weight = _per_stage(activation, [r for r, _ in prepared.owners], pp_size, num_chunks, "activation")
+        stage_at = {owner: stage for stage, owner in enumerate(prepared.owners)}
+        held = [
+            _peak_in_flight(actions, [weight[stage_at[(rank, c)]] for c in range(num_chunks)])
+            for rank, actions in enumerate(lists)
+        ]
     return SimResult(
         pp_size=pp_size,
         num_microbatches=num_microbatches,
@@ -251,6 +232,94 @@ def simulate(
         peak_activation=held,
         timelines=timelines,
     )
+
+
+def makespan(
+    prepared: PreparedSchedule,
+    t_forward: float | Sequence[float] = 1.0,
+    t_backward: float | Sequence[float] = 2.0,
+    t_input: float | Sequence[float] | None = None,
+    t_weight: float | Sequence[float] | None = None,
+    first_stage_whole: bool | None = None,
+) -> float:
+    """`simulate(...).makespan` of a prepared schedule, without drawing its timelines."""
+    return _run(prepared, t_forward, t_backward, t_input, t_weight, first_stage_whole, None)[0]
+
+
+def _run(
+    prepared: PreparedSchedule,
+    t_forward: float | Sequence[float],
+    t_backward: float | Sequence[float],
+    t_input: float | Sequence[float] | None,
+    t_weight: float | Sequence[float] | None,
+    first_stage_whole: bool | None,
+    timelines: list[list[TimedAction]] | None,
+) -> tuple[float, list[float]]:
+    """Run the prepared actions (the module docstring); fills `timelines` when given. Returns the
+    makespan and each rank's busy time."""
+    pp_size, num_chunks, m = prepared.pp_size, prepared.num_chunks, prepared.num_microbatches
+    owner_of = [rank for rank, _ in prepared.owners]
+    stages = len(owner_of)
+
+    def per_stage(value: float | Sequence[float], name: str) -> list[float]:
+        return _per_stage(value, owner_of, pp_size, num_chunks, name)
+
+    backward = per_stage(t_backward, "t_backward")
+    times = {
+        "F": per_stage(t_forward, "t_forward"),
+        "B": backward,
+        "I": [b / 2 for b in backward] if t_input is None else per_stage(t_input, "t_input"),
+        "W": [b / 2 for b in backward] if t_weight is None else per_stage(t_weight, "t_weight"),
+    }
+    if first_stage_whole is None:  # its I is empty, its W the whole backward
+        first_stage_whole = t_input is None and t_weight is None
+    if first_stage_whole:
+        times["I"][0], times["W"][0] = 0.0, backward[0]
+    # finish[kind][stage * m + microbatch]; -1.0 = not run yet. "G": the input gradient is ready (B or I)
+    finish = {kind: [-1.0] * (stages * m) for kind in ("F", "B", "I", "W", "G")}
+    steps = prepared.steps
+    pos, free, busy = [0] * pp_size, [0.0] * pp_size, [0.0] * pp_size
+    waiting: dict[tuple[str, int], list[int]] = {}  # (kind, slot) -> ranks blocked on it
+    ready = list(range(pp_size))
+    while ready:
+        rank = ready.pop()
+        compiled = steps[rank]
+        n = len(compiled)
+        at, start_free = pos[rank], free[rank]
+        while at < n:
+            kind, stage, slot, deps = compiled[at]
+            start = start_free
+            blocked = None
+            for dep in deps:
+                done = finish[dep[0]][dep[1]]
+                if done < 0:
+                    blocked = dep
+                    break
+                if done > start:
+                    start = done
+            if blocked is not None:
+                waiting.setdefault(blocked, []).append(rank)
+                break
+            took = times[kind][stage]
+            end = start + took
+            if timelines is not None:
+                timelines[rank].append(TimedAction(start, end, prepared.lists[rank][at]))
+            busy[rank] += took
+            start_free = end
+            at += 1
+            finish[kind][slot] = end
+            woken = waiting.pop((kind, slot), None)
+            if woken:
+                ready.extend(woken)
+            if kind == "B" or kind == "I":
+                finish["G"][slot] = end
+                woken = waiting.pop(("G", slot), None)
+                if woken:
+                    ready.extend(woken)
+        pos[rank], free[rank] = at, start_free
+    if any(pos[r] < len(steps[r]) for r in range(pp_size)):
+        raise ScheduleError(_deadlock_message(prepared.lists, pos, prepared.owners))
+    return max(free, default=0.0), busy
 
 
 def _per_stage(
@@ -271,13 +340,14 @@ def _per_stage(
     )
 
 
-def _peak_in_flight(actions: Sequence[Action], weight: Callable[[Action], float] | None = None) -> Any:
+def _peak_in_flight(actions: Sequence[Action], chunk_weight: Sequence[float] | None = None) -> Any:
     """Most (chunk, microbatch) activations held at once: from F until B, or until W (I keeps them),
-    each weighing `weight(action)` (default 1)."""
-    held = peak = 0
+    each weighing its chunk's `chunk_weight` (default 1)."""
+    held: float = 0
+    peak: float = 0
     for a in actions:
         sign = {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
-        held += sign * (1 if weight is None else weight(a))
+        held += sign * (1 if chunk_weight is None else chunk_weight[a.chunk])
         peak = max(peak, held)
     return peak
 

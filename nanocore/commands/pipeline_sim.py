@@ -105,9 +105,8 @@ def _problems(entry: Entry, p: int, m: int, v: int) -> list[str]:
 
 
 def _simulate(schedule: PipelineSchedule, p: int, m: int, v: int, args: argparse.Namespace) -> SimResult:
-    from nanocore.pipeline_sim import simulate
-
     from nanocore.pipeline_api import ScheduleError
+    from nanocore.pipeline_sim import simulate
 
     try:
         return simulate(

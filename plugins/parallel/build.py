@@ -88,6 +88,22 @@ def partition(blocks: list[list[str]], parts: int) -> list[list[list[str]]]:
     return [blocks[a:b] for a, b in reversed(bounds)]
 
 
+_MODEL_KEYS: dict[int, tuple[object, str]] = {}
+
+
+def model_key(model_args: object) -> str:
+    """`repr(model_args)`, remembered per object: a search's layouts share one model section, and its
+    repr costs more than the rest of a cache lookup."""
+    cached = _MODEL_KEYS.get(id(model_args))
+    if cached is not None and cached[0] is model_args:
+        return cached[1]
+    if len(_MODEL_KEYS) > 256:
+        _MODEL_KEYS.clear()
+    text = repr(model_args)
+    _MODEL_KEYS[id(model_args)] = (model_args, text)
+    return text
+
+
 def meta_model(entry: Entry, model_args: Any, vocab_multiple: int) -> nn.Module:
     """The model plugin's whole single-device model on the meta device (no memory), checked."""
     with torch.device("meta"):

@@ -145,9 +145,7 @@ def probe_blocks(
     ]
 
 
-def stage_times(
-    times: list[BlockTimes], cut: list[list[int]], recompute: bool
-) -> dict[str, list[float]]:
+def stage_times(times: list[BlockTimes], cut: list[list[int]], recompute: bool) -> dict[str, list[float]]:
     """Per-stage F/B/I/W seconds from per-block ones (`cut`: the block indices of each stage)."""
     last = cut[-1][-1]
     out: dict[str, list[float]] = {k: [] for k in KINDS}
@@ -212,9 +210,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    times = probe_blocks(
-        blocks, names, ids[:, :-1], lambda logits: loss(logits, ids[:, 1:]), args.repeats, sync
-    )
+    times = probe_blocks(blocks, names, ids[:, :-1], lambda logits: loss(logits, ids[:, 1:]), args.repeats, sync)
 
     m, pp = tokens.batch_accumulation_per_replica, par.pp
     predictions = []
@@ -251,7 +247,9 @@ def run(args: argparse.Namespace) -> int:
                 "pipeline_seconds": result.makespan,
                 "bubble_fraction": result.bubble_fraction,
                 "peak_in_flight_microbatches": list(result.peak_in_flight_microbatches),
-                "tokens_per_second_per_pipeline": m * tokens.micro_batch_size * tokens.sequence_length
+                "tokens_per_second_per_pipeline": m
+                * tokens.micro_batch_size
+                * tokens.sequence_length
                 / result.makespan,
             }
         )
@@ -273,8 +271,10 @@ def run(args: argparse.Namespace) -> int:
             f"micro-batches  {p['tokens_per_second_per_pipeline']:.0f} tokens/s per pipeline"
         )
         per = p["stage_seconds"]
-        flags = " ".join(f"--t-{k} {','.join(f'{x:.6g}' for x in per[key])}" for k, key in (
-            ("forward", "F"), ("backward", "B"), ("input", "I"), ("weight", "W")))
+        flags = " ".join(
+            f"--t-{k} {','.join(f'{x:.6g}' for x in per[key])}"
+            for k, key in (("forward", "F"), ("backward", "B"), ("input", "I"), ("weight", "W"))
+        )
         print(
             f"  nanocore pipeline-sim --engine {p['engine']} --pp {pp} --microbatches {m} "
             f"--virtual-stages {p['virtual_stages']} {flags}"

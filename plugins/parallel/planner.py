@@ -65,7 +65,7 @@ from nanocore.registry import Entry, Registries
 from nanocore.sharding import get_placement, row_share
 from nanocore.tp_api import TPMode
 
-from .build import keep_rank_part, meta_model
+from .build import keep_rank_part, meta_model, model_key
 from .expert_parallel import is_expert
 from .tensor_parallel import PlannedGroup
 from .tensor_parallel import parallelize as tp_parallelize
@@ -84,7 +84,7 @@ def _rank_part(
     layouts that differ only in what the model part does not depend on (ZeRO, batch, recompute, dp)."""
     par = config.parallelism
     tp, pp, ep = par.tp, par.pp, par.expert_parallel_size
-    key = (repr(config.model), tp, tp_rank, par.tp_mode, par.tp_linear_async_communication, pp, pp_rank)
+    key = (model_key(config.model), tp, tp_rank, par.tp_mode, par.tp_linear_async_communication, pp, pp_rank)
     key += (par.pp_virtual_stages, ep, par.pp_engine)
     if key not in _RANK_PARTS:
         if len(_RANK_PARTS) > 256:

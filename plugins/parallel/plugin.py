@@ -10,6 +10,7 @@ from nanocore.config import Config
 from nanocore.moe_api import moe_layers
 from nanocore.sequence_api import attention_heads, sequence_features
 
+from .build import model_key
 from .context_parallel import CONTEXT_PARALLEL_MODES
 from .engine import ParallelEngine
 from .planner import plan
@@ -50,7 +51,7 @@ _CHECKED_MODELS: dict[tuple[str, str], nn.Module] = {}
 def _checked_model(model_entry, config: Config) -> nn.Module:
     """The whole model on meta, read (never changed) by the checks; remembered per model config, since
     `nanocore plan --search` checks thousands of layouts of one model."""
-    key = (model_entry.name, repr(config.model))
+    key = (model_entry.name, model_key(config.model))
     if key not in _CHECKED_MODELS:
         if len(_CHECKED_MODELS) > 8:
             _CHECKED_MODELS.clear()

@@ -62,10 +62,11 @@ from nanocore.engine_api import TimePrediction, TimeTerm
 from nanocore.hardware import Hardware
 from nanocore.moe_api import moe_layers
 from nanocore.pipeline_api import stage_of
-from nanocore.pipeline_sim import simulate
+from nanocore.pipeline_sim import PreparedSchedule, prepare
+from nanocore.pipeline_sim import makespan as simulated_makespan
 from nanocore.registry import Registries
 
-from .build import meta_model, partition
+from .build import meta_model, model_key, partition
 from .expert_parallel import is_expert, shard_experts
 from .tensor_parallel import PlannedGroup
 from .tensor_parallel import parallelize as tp_parallelize
@@ -127,7 +128,7 @@ def inventory(config: Config, registries: Registries, tp: int) -> Inventory:
     """Read the model's blocks at tensor-parallel size `tp` off a meta model (see the module docstring);
     remembered per model config, tp and TP mode (`nanocore plan --search` asks again for every layout)."""
     par = config.parallelism
-    key = (repr(config.model), str(tp), par.tp_mode, str(par.tp_linear_async_communication))
+    key = (model_key(config.model), str(tp), par.tp_mode, str(par.tp_linear_async_communication))
     if key not in _INVENTORIES:
         if len(_INVENTORIES) > 64:
             _INVENTORIES.clear()
@@ -235,7 +236,7 @@ def trace_memory_bound(config: Config, registries: Registries) -> tuple[MemoryBo
     model's `selective_recompute_modules`) is one op whose work the attention term costs, and the last
     block adds the loss's cross-entropy. A block the meta device cannot run (data-dependent routing)
     takes the previous decoder layer's counts. Remembered per model config."""
-    key = repr(config.model)
+    key = model_key(config.model)
     if key in _TRACES:
         return _TRACES[key]
     entry = registries.model.get(config.model.model_type)
@@ -505,11 +506,12 @@ def _partition(blocks: int, parts: int) -> list[list[list[str]]]:
 
 
 _MAKESPANS: dict[tuple[object, ...], float] = {}
+_PREPARED: dict[tuple[str, int, int, int], PreparedSchedule] = {}  # (pp_engine, pp, microbatches, chunks)
 
 
 def _flops_per_token(config: Config, registries: Registries, sequence: int) -> float:
     """The model's own FLOPs per token (no recompute), remembered per model config and sequence."""
-    key = (repr(config.model), sequence)
+    key = (model_key(config.model), sequence)
     if key not in _FLOPS:
         with torch.device("meta"):
             whole = registries.model.get(config.model.model_type).factory(
@@ -517,6 +519,33 @@ def _flops_per_token(config: Config, registries: Registries, sequence: int) -> f
             )
         _FLOPS[key] = float(whole.flops_per_token(sequence))
     return _FLOPS[key]
+
+
+_BLOCK_COSTS: dict[tuple[object, ...], tuple[Inventory, Hardware, dict[str, float]]] = {}
+
+
+def _block_costs(blk: Block, inv: Inventory, lay: Layout, hw: Hardware) -> dict[str, float]:
+    """One block's per-micro-batch terms. They depend on the layout only through the fields in the
+    key (not dp, pp, ZeRO, the schedule or the micro-batch count), so a search's layouts share them."""
+    key = (blk, id(inv), id(hw), lay.tp, lay.cp, lay.ep, lay.load, lay.tokens, lay.sequence)
+    key += (lay.sequence_parallel, lay.tp_async, lay.cp_mode, lay.recompute, lay.dtype, lay.dtype_bytes)
+    cached = _BLOCK_COSTS.get(key)
+    if cached is not None and cached[0] is inv and cached[1] is hw:
+        return cached[2]
+    tpf, tpb = tensor_parallel_seconds(blk, inv, lay, hw)
+    cpf, cpb = context_parallel_seconds(blk, inv, lay, hw)
+    epf, epb = expert_parallel_seconds(blk, inv, lay, hw)
+    costs = {
+        "mm": matmul_seconds(blk, lay, hw),
+        "att": attention_seconds(blk, inv, lay, hw),
+        "mem": memory_bound_seconds(blk, lay, hw),
+        "rec": recompute_seconds(blk, inv, lay, hw),
+        **{"tpf": tpf, "tpb": tpb, "cpf": cpf, "cpb": cpb, "epf": epf, "epb": epb},
+    }
+    if len(_BLOCK_COSTS) > 65536:
+        _BLOCK_COSTS.clear()
+    _BLOCK_COSTS[key] = (inv, hw, costs)
+    return costs
 
 
 # -- the step ------------------------------------------------------------------------------------
@@ -548,16 +577,7 @@ def predict(
         params = expert_params = 0
         for blk in blocks:
             if blk not in costs:  # decoder layers are alike: each distinct block costed once
-                tpf, tpb = tensor_parallel_seconds(blk, inv, lay, hw)
-                cpf, cpb = context_parallel_seconds(blk, inv, lay, hw)
-                epf, epb = expert_parallel_seconds(blk, inv, lay, hw)
-                costs[blk] = {
-                    "mm": matmul_seconds(blk, lay, hw),
-                    "att": attention_seconds(blk, inv, lay, hw),
-                    "mem": memory_bound_seconds(blk, lay, hw),
-                    "rec": recompute_seconds(blk, inv, lay, hw),
-                    **{"tpf": tpf, "tpb": tpb, "cpf": cpf, "cpb": cpb, "epf": epf, "epb": epb},
-                }
+                costs[blk] = _block_costs(blk, inv, lay, hw)
             for key, value in costs[blk].items():
                 sums[key] += value
             params += blk.params
@@ -599,17 +619,19 @@ def predict(
     if key not in _MAKESPANS:  # layouts differing in what the pipeline does not see (ZeRO, cp mode) share it
         if len(_MAKESPANS) > 4096:
             _MAKESPANS.clear()
-        _MAKESPANS[key] = simulate(
-            schedule,
-            lay.pp,
-            m,
-            lay.virtual,
+        shape = (config.parallelism.pp_engine, lay.pp, m, lay.virtual)
+        if shape not in _PREPARED:  # checked and compiled once per schedule and shape
+            if len(_PREPARED) > 1024:
+                _PREPARED.clear()
+            _PREPARED[shape] = prepare(schedule, lay.pp, m, lay.virtual)
+        _MAKESPANS[key] = simulated_makespan(
+            _PREPARED[shape],
             t_forward=times[0],
             t_backward=times[1],
             t_input=times[2],
             t_weight=times[3],
             first_stage_whole=True,  # the executor runs the first stage's backward whole, in W
-        ).makespan
+        )
     makespan = _MAKESPANS[key]
     busy = [m * (r["F"] + r["B"]) for r in per_rank]
     critical = max(range(lay.pp), key=lambda i: busy[i])

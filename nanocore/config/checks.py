@@ -19,6 +19,18 @@ from nanocore.tp_api import TPMode
 WARMUP_STYLES = ("linear", "constant")
 
 
+_TP_MODE_TYPES: dict[type, bool] = {}
+
+
+def _implements_tp_mode(mode: object) -> bool:
+    """`isinstance(mode, TPMode)`, remembered per type: a runtime protocol check reads every member, and
+    `nanocore plan --search` checks ~10^5 layouts."""
+    kind = type(mode)
+    if kind not in _TP_MODE_TYPES:
+        _TP_MODE_TYPES[kind] = isinstance(mode, TPMode)
+    return _TP_MODE_TYPES[kind]
+
+
 def _plugin_checks(prefix: str, args: Any, entry: Entry | None, config: Config) -> list[str]:
     problems: list[str] = []
     if args is not None and hasattr(args, "check"):
@@ -122,7 +134,7 @@ def check_config(config: Config, registries: Registries, world_size: int | None 
             for a in ("name", "sequence_parallel", "column_linear", "row_linear", "after_embedding")
             if not hasattr(mode, a)
         ]
-        if missing or not isinstance(mode, TPMode):
+        if missing or not _implements_tp_mode(mode):
             p.append(
                 f"parallelism.tp_mode: {par.tp_mode!r} (plugin {tp_mode.plugin}) builds {mode!r}, which lacks "
                 f"{', '.join(missing) or 'the TPMode interface'}; a TP mode implements nanocore.tp_api.TPMode"

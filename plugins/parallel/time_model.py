@@ -527,8 +527,7 @@ _BLOCK_COSTS: dict[tuple[object, ...], tuple[Inventory, Hardware, dict[str, floa
 def _block_costs(blk: Block, inv: Inventory, lay: Layout, hw: Hardware) -> dict[str, float]:
     """One block's per-micro-batch terms. They depend on the layout only through the fields in the
     key (not dp, pp, ZeRO, the schedule or the micro-batch count), so a search's layouts share them."""
-    key = (blk, id(inv), id(hw), lay.tp, lay.cp, lay.ep, lay.load, lay.tokens, lay.sequence)
-    key += (lay.sequence_parallel, lay.tp_async, lay.cp_mode, lay.recompute, lay.dtype, lay.dtype_bytes)
+    key = (blk, id(inv), id(hw), *_costs_key(lay))
     cached = _BLOCK_COSTS.get(key)
     if cached is not None and cached[0] is inv and cached[1] is hw:
         return cached[2]
@@ -548,30 +547,27 @@ def _block_costs(blk: Block, inv: Inventory, lay: Layout, hw: Hardware) -> dict[
     return costs
 
 
-# -- the step ------------------------------------------------------------------------------------
+_STAGES: dict[
+    tuple[object, ...], tuple[Inventory, Hardware, list[dict[str, float]], list[dict[str, float]], tuple]
+] = {}
 
 
-def predict(
-    config: Config,
-    registries: Registries,
-    hardware: Hardware,
-    device: str = "cuda",
-    expert_load_factor: float = 1.0,
-) -> TimePrediction:
-    """The predicted step of `config` on `hardware` (see the module docstring)."""
-    dtype = resolve_dtype_name(config.model.dtype, device)
-    if dtype == "float32" and "float32" not in hardware.peak_flops and "tf32" in hardware.peak_flops:
-        dtype = "tf32"
-    hardware.peak(dtype)  # a clear error when the description lacks it
-    lay = layout_of(config, registries, dtype, expert_load_factor)
-    inv = inventory(config, registries, lay.tp)
-    schedule = registries.pipeline_schedule.get(config.parallelism.pp_engine).factory(config)
-    chunks = _partition(len(inv.blocks), lay.pp * lay.virtual)
-    p2p = pipeline_p2p_seconds(inv, lay, hw := hardware)
+def _costs_key(lay: Layout) -> tuple[object, ...]:
+    """The layout fields a block's terms depend on (`_block_costs`)."""
+    return (lay.tp, lay.cp, lay.ep, lay.load, lay.tokens, lay.sequence, lay.sequence_parallel, lay.tp_async) + (
+        lay.cp_mode,
+        lay.recompute,
+        lay.dtype,
+        lay.dtype_bytes,
+    )
 
+
+def _stage_terms(inv: Inventory, lay: Layout, hw: Hardware, p2p: float) -> list[dict[str, float]]:
+    """Each stage's terms per micro-batch (a rank's chunks differ: the first stage embeds, the last
+    computes the loss): the blocks' sums, and F, B and its split halves I and W."""
     costs: dict[Block, dict[str, float]] = {}
-    per_stage = []  # a rank's chunks differ (the first stage embeds, the last computes the loss)
-    for chunk in chunks:
+    per_stage = []
+    for chunk in _partition(len(inv.blocks), lay.pp * lay.virtual):
         blocks = [inv.blocks[int(b[0])] for b in chunk]
         sums = dict.fromkeys(("mm", "att", "mem", "rec", "tpf", "tpb", "cpf", "cpb", "epf", "epb"), 0.0)
         params = expert_params = 0
@@ -609,12 +605,44 @@ def predict(
                 "p2p": 2 * messages,
             }
         )
-    per_rank = []
-    for rank in range(lay.pp):
-        ids = [stage_of(schedule, c, rank, lay.pp, lay.virtual) for c in range(lay.virtual)]
-        per_rank.append({k: sum(per_stage[i][k] for i in ids) for k in per_stage[0]})
+    return per_stage
+
+
+# -- the step ------------------------------------------------------------------------------------
+
+
+def predict(
+    config: Config,
+    registries: Registries,
+    hardware: Hardware,
+    device: str = "cuda",
+    expert_load_factor: float = 1.0,
+) -> TimePrediction:
+    """The predicted step of `config` on `hardware` (see the module docstring)."""
+    dtype = resolve_dtype_name(config.model.dtype, device)
+    if dtype == "float32" and "float32" not in hardware.peak_flops and "tf32" in hardware.peak_flops:
+        dtype = "tf32"
+    hardware.peak(dtype)  # a clear error when the description lacks it
+    lay = layout_of(config, registries, dtype, expert_load_factor)
+    inv = inventory(config, registries, lay.tp)
+    schedule = registries.pipeline_schedule.get(config.parallelism.pp_engine).factory(config)
+    p2p = pipeline_p2p_seconds(inv, lay, hw := hardware)
+    # what the stages and ranks compute depends on the blocks' terms, the cut and the placement only:
+    # layouts differing in dp, ZeRO or the micro-batch count share them
+    stage_key = (_costs_key(lay), id(inv), id(hw), lay.pp, lay.virtual, p2p, config.parallelism.pp_engine)
+    cached = _STAGES.get(stage_key)
+    if cached is None or cached[0] is not inv or cached[1] is not hw:
+        if len(_STAGES) > 16384:
+            _STAGES.clear()
+        per_stage = _stage_terms(inv, lay, hw, p2p)
+        per_rank = []
+        for rank in range(lay.pp):
+            ids = [stage_of(schedule, c, rank, lay.pp, lay.virtual) for c in range(lay.virtual)]
+            per_rank.append({k: sum(per_stage[i][k] for i in ids) for k in per_stage[0]})
+        times = tuple(tuple(st[k] for st in per_stage) for k in ("F", "B", "I", "W"))  # one per stage
+        cached = _STAGES[stage_key] = (inv, hw, per_stage, per_rank, times)
+    per_rank, times = cached[3], cached[4]
     m = lay.microbatches
-    times = tuple(tuple(st[k] for st in per_stage) for k in ("F", "B", "I", "W"))  # one per stage
     key = (config.parallelism.pp_engine, lay.pp, m, lay.virtual, times)
     if key not in _MAKESPANS:  # layouts differing in what the pipeline does not see (ZeRO, cp mode) share it
         if len(_MAKESPANS) > 4096:
@@ -637,14 +665,18 @@ def predict(
     critical = max(range(lay.pp), key=lambda i: busy[i])
     r = per_rank[critical]
     bucket = config.model.ddp_bucket_cap_mb * 2**20
-    dp_times = [
-        data_parallel_seconds(
-            int(x["params"]), int(x["expert_params"]), lay, hw, x["B"], busy[i], bucket, int(x["blocks"])
-        )
-        for i, x in enumerate(per_rank)
-    ]
-    dp_exposed, dp_detail = max(dp_times, key=lambda t: t[0])
-    opt = max(optimizer_seconds(int(x["params"]), int(x["expert_params"]), lay, hw) for x in per_rank)
+    dp_times: dict[tuple[float, ...], tuple[float, str]] = {}  # ranks alike (middle stages) costed once
+    opts: dict[tuple[float, float], float] = {}
+    for i, x in enumerate(per_rank):
+        args = (x["params"], x["expert_params"], x["B"], busy[i], x["blocks"])
+        if args not in dp_times:
+            dp_times[args] = data_parallel_seconds(
+                int(x["params"]), int(x["expert_params"]), lay, hw, x["B"], busy[i], bucket, int(x["blocks"])
+            )
+        if args[:2] not in opts:
+            opts[args[:2]] = optimizer_seconds(int(x["params"]), int(x["expert_params"]), lay, hw)
+    dp_exposed, dp_detail = max(dp_times.values(), key=lambda t: t[0])
+    opt = max(opts.values())
     bubble = max(0.0, makespan - busy[critical])
     where = f"{m} micro-batches of {lay.tokens:g} tokens on stage rank {critical}"
     schedule_name = f"{config.parallelism.pp_engine}, {m} micro-batches, {lay.virtual} virtual stage(s)"

@@ -8,7 +8,9 @@ random micro-batch: its forward (F), its whole backward (B), and its backward sp
 splits it for the zero-bubble schedules (`split_backward`): the input gradient (I) and, later, the
 weight gradients (W). A block's input is the previous block's output, and the gradient it receives
 the next block's input gradient, so each block sees the shapes and values of training. Each figure
-is the median over `--repeats` rounds after one warm-up round.
+is the median over `--repeats` rounds after one warm-up round. On CPU the host allocator returns freed
+buffers as a run's does (`nanocore.memory.return_freed_memory`), so each block pays the same fresh
+pages a run pays.
 
 A stage's times are the sums over the blocks the engine places on it (`build.partition`, the cut a
 run of the config makes); as in the executor, the first stage has no input gradient: its I is empty
@@ -172,6 +174,7 @@ def _cut(num_blocks: int, stages: int) -> list[list[int]]:
 def run(args: argparse.Namespace) -> int:
     from nanocore.config.load import load_config
     from nanocore.dtypes import resolve_dtype
+    from nanocore.memory import return_freed_memory
     from nanocore.pipeline_sim import simulate
 
     from .build import build_local_model, chunk_modules, meta_model
@@ -188,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
     par, tokens = config.parallelism, config.tokens
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(config.model.dtype, device)
+    if device.type == "cpu":
+        return_freed_memory()  # host buffers come and go as in a run (nanocore/memory.py)
     engines = [e.strip() for e in (args.engines or par.pp_engine).split(",") if e.strip()]
     schedules = {name: registries.pipeline_schedule.get(name, path="--engines") for name in engines}
 

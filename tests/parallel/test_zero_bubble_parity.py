@@ -34,6 +34,8 @@ LAYOUTS = {
     "pp2_selective_recompute": (layout(pp=2, recompute_granularity="selective", **ZB), {}),
     "dp2_pp2_full_recompute_zero3": (layout(dp=2, pp=2, recompute_layer=True, **ZB), {"optimizer": {"zero_stage": 3}}),
     "dp2_tp2_pp2_zero1": (layout(dp=2, tp=2, pp=2, **ZB), {"optimizer": {"zero_stage": 1}}),
+    # context parallelism: the ring's (and all_to_all's) collectives run in I, attention's weights have none
+    "pp2_cp2_ring": (layout(pp=2, context_parallel_size=2, **ZB), {}),
 }
 ZBV = {"pp_engine": "zbv", "pp_virtual_stages": 2}
 LAYOUTS |= {
@@ -42,6 +44,7 @@ LAYOUTS |= {
     "zbv_dp2_pp2_zero3": (layout(dp=2, pp=2, **ZBV), {"optimizer": {"zero_stage": 3}}),
     "zbv_pp2_full_recompute": (layout(pp=2, recompute_layer=True, **ZBV), {}),
     "zbv_dp2_tp2_pp2_zero1": (layout(dp=2, tp=2, pp=2, **ZBV), {"optimizer": {"zero_stage": 1}}),
+    "zbv_pp2_cp2_all_to_all": (layout(pp=2, context_parallel_size=2, context_parallel_mode="all_to_all", **ZBV), {}),
 }
 COMPILED = [
     *["pp2", "pp2_tp2_reduce_scatter", "dp2_pp2_zero3", "pp2_full_recompute", "dp2_tp2_pp2_zero1"],
@@ -54,7 +57,7 @@ def _run(name: str, tmp_path, compiled: bool) -> dict:
     tokens = {"batch_accumulation_per_replica": GLOBAL_MICROBATCHES // par["dp"]}
     model = {"compile": True} if compiled else {}
     config = tiny_config(tmp_path, parallelism=par, tokens=tokens, model=model, **extra)
-    return run_training(config, par["dp"] * par["tp"] * par["pp"])
+    return run_training(config, par["dp"] * par["tp"] * par["pp"] * par.get("context_parallel_size", 1))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

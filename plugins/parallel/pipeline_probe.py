@@ -62,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU threads (default: torch's; a run of N processes on this machine gives each cores / N)",
     )
+    p.add_argument(
+        "--hardware",
+        default=None,
+        metavar="NAME|FILE",
+        help="also print the time model's F/B per block on this hardware (a calibrate file of this machine): "
+        "where the model and the measurement part",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -217,6 +224,20 @@ def run(args: argparse.Namespace) -> int:
         )
     times = probe_blocks(blocks, names, ids[:, :-1], lambda logits: loss(logits, ids[:, 1:]), args.repeats, sync)
 
+    predicted = None
+    if args.hardware is not None:
+        from nanocore.hardware import load_hardware
+
+        from .time_model import block_seconds
+
+        whole = attrs.evolve(  # the probe runs whole blocks in one process
+            config,
+            parallelism=attrs.evolve(par, dp=1, tp=1, pp=1, context_parallel_size=1, expert_parallel_size=1),
+        )
+        predicted = block_seconds(whole, registries, load_hardware(args.hardware), device.type)
+        if len(predicted) != len(times):
+            raise ConfigError(f"--hardware: the time model sees {len(predicted)} blocks, the probe {len(times)}")
+
     m, pp = tokens.batch_accumulation_per_replica, par.pp
     predictions = []
     for name, schedule_entry in schedules.items():
@@ -260,13 +281,21 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.json:
         out = {"blocks": [attrs.asdict(t) for t in times], "pp": pp, "microbatches": m, "predictions": predictions}
+        if predicted is not None:
+            out["time_model_blocks"] = predicted
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    print(f"{'block':<40} {'F ms':>8} {'B ms':>8} {'I ms':>8} {'W ms':>8} {'(I+W)/B':>8}")
-    for t in times:
+    model_head = f" {'model F':>8} {'model B':>8} {'meas/model':>10}" if predicted is not None else ""
+    print(f"{'block':<40} {'F ms':>8} {'B ms':>8} {'I ms':>8} {'W ms':>8} {'(I+W)/B':>8}{model_head}")
+    for b, t in enumerate(times):
         ratio = f"{(t.I + t.W) / t.B:.2f}" if t.B > 0 else "-"
-        print(f"{t.name[:40]:<40} {t.F * 1e3:>8.2f} {t.B * 1e3:>8.2f} {t.I * 1e3:>8.2f} {t.W * 1e3:>8.2f} {ratio:>8}")
+        line = f"{t.name[:40]:<40} {t.F * 1e3:>8.2f} {t.B * 1e3:>8.2f} {t.I * 1e3:>8.2f} {t.W * 1e3:>8.2f} {ratio:>8}"
+        if predicted is not None:
+            f, bwd = predicted[b]["F"], predicted[b]["B"]
+            share = f"{(t.F + t.B) / (f + bwd):.2f}" if f + bwd > 0 else "-"
+            line += f" {f * 1e3:>8.2f} {bwd * 1e3:>8.2f} {share:>10}"
+        print(line)
     left_out = "" if par.tp * par.context_parallel_size == 1 else " (whole blocks: this layout's tp x cp splits them)"
     print(f"\npp {pp}, {m} micro-batches; pipeline only{left_out}, messages and the optimizer step left out")
     for p in predictions:

@@ -608,6 +608,27 @@ def _stage_terms(inv: Inventory, lay: Layout, hw: Hardware, p2p: float) -> list[
     return per_stage
 
 
+def block_seconds(config: Config, registries: Registries, hardware: Hardware, device: str = "cuda") -> list[dict]:
+    """Each pipeline block's predicted F, B, I and W seconds on one micro-batch, at the config's
+    tp, cp and ep (what `nanocore pipeline-probe --hardware` prints beside its measurements): F is
+    the block's matmuls, attention core, non-matmul work and forward collectives; I its input
+    gradient (the matmuls again, twice the rest, recompute, backward collectives); W its weight
+    gradients (the matmuls once more); B = I + W."""
+    dtype = resolve_dtype_name(config.model.dtype, device)
+    if dtype == "float32" and "float32" not in hardware.peak_flops and "tf32" in hardware.peak_flops:
+        dtype = "tf32"
+    hardware.peak(dtype)
+    lay = layout_of(config, registries, dtype, 1.0)
+    inv = inventory(config, registries, lay.tp)
+    out = []
+    for blk in inv.blocks:
+        c = _block_costs(blk, inv, lay, hardware)
+        forward = c["mm"] + c["att"] + c["mem"] + c["tpf"] + c["cpf"] + c["epf"]
+        inputs = c["mm"] + 2 * c["att"] + 2 * c["mem"] + c["rec"] + c["tpb"] + c["cpb"] + c["epb"]
+        out.append({"F": forward, "B": inputs + c["mm"], "I": inputs, "W": c["mm"], **c})
+    return out
+
+
 # -- the step ------------------------------------------------------------------------------------
 
 

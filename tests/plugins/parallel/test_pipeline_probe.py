@@ -95,3 +95,25 @@ def test_pipeline_sim_takes_times_per_rank_or_per_stage(capsys):
     assert "--t-forward: expected one time per pipeline rank (2) or per stage (4), got 3" in capsys.readouterr().err
     assert cli_run([*base, "--t-weight", "x"]) == 2
     assert "--t-weight" in capsys.readouterr().err
+
+
+def test_probe_prints_the_time_models_blocks_beside_its_own(tmp_path, capsys):
+    """With --hardware, each block's predicted F/B (the time model, as `nanocore plan` adds it up)
+    stands beside the measurement: where the model and the machine part is read per block."""
+    from nanocore.hardware import Hardware, Link, hardware_to_yaml
+
+    config = _config(tmp_path)
+    runs = {}
+    for name, peak in (("fast", 1e11), ("slow", 5e10)):
+        hw = tmp_path / f"{name}.yaml"
+        box = Hardware(name, "test", {"float32": peak}, 2**30, 1, Link(2e9, 2e-5), Link(2e9, 2e-5))
+        hw.write_text(hardware_to_yaml(box))
+        assert cli_run(["pipeline-probe", config, "--repeats", "1", "--hardware", str(hw), "--json"]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)["time_model_blocks"]
+    fast, slow = runs["fast"], runs["slow"]
+    assert len(fast) == tiny_config(tmp_path)["model"]["model_config"]["num_hidden_layers"] + 2
+    for f, s in zip(fast[1:], slow[1:], strict=True):  # decoder layers and the head: matmuls
+        assert f["F"] > 0 and f["B"] == pytest.approx(f["I"] + f["W"])
+        assert s["mm"] == pytest.approx(2 * f["mm"])  # half the peak, twice the matmul time
+    assert cli_run(["pipeline-probe", config, "--repeats", "1", "--hardware", str(tmp_path / "fast.yaml")]) == 0
+    assert "meas/model" in capsys.readouterr().out

@@ -608,7 +608,9 @@ def _stage_terms(inv: Inventory, lay: Layout, hw: Hardware, p2p: float) -> list[
     return per_stage
 
 
-def block_seconds(config: Config, registries: Registries, hardware: Hardware, device: str = "cuda") -> list[dict]:
+def block_seconds(
+    config: Config, registries: Registries, hardware: Hardware, device: str = "cuda"
+) -> list[dict[str, float]]:
     """Each pipeline block's predicted F, B, I and W seconds on one micro-batch, at the config's
     tp, cp and ep (what `nanocore pipeline-probe --hardware` prints beside its measurements): F is
     the block's matmuls, attention core, non-matmul work and forward collectives; I its input

@@ -360,3 +360,23 @@ def test_peak_activation_weighs_each_stages_micro_batches():
     heavy_last = simulate(ZBV, 2, 8, 2, activation=[1.0, 1.0, 1.0, 3.0]).peak_activation
     assert heavy_last[1] == simulate(ZBV, 2, 8, 2, activation=[1.0] * 4).peak_activation[1]
     assert only[3][0] * 3 + only[0][0] >= heavy_last[0] > even.peak_in_flight[0]
+
+
+@pytest.mark.parametrize(
+    "schedule,p,m,v", [(ONE_F_ONE_B, 4, 8, 1), (INTERLEAVED, 2, 4, 2), (ZB1P, 4, 8, 1), (ZBV, 2, 8, 2)]
+)
+def test_a_prepared_schedule_costs_any_times_as_simulate_does(schedule, p, m, v):
+    """`nanocore plan --search` prepares a schedule once per shape and costs it for each layout's
+    stage times (`makespan`): the same number `simulate` draws its timelines for."""
+    import random
+
+    from nanocore.pipeline_sim import makespan, prepare
+
+    prepared = prepare(schedule, p, m, v)
+    rng = random.Random(0)
+    for _ in range(5):
+        times = {k: [rng.uniform(0.5, 2.0) for _ in range(p * v)] for k in ("t_forward", "t_input", "t_weight")}
+        times["t_backward"] = [i + w for i, w in zip(times["t_input"], times["t_weight"], strict=True)]
+        for whole in (True, False):
+            expected = simulate(schedule, p, m, v, **times, first_stage_whole=whole).makespan
+            assert makespan(prepared, **times, first_stage_whole=whole) == expected

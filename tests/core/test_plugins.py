@@ -33,7 +33,7 @@ BUILTIN_HOOKS = {
     "llama": ["register_models"],
     "loggers": ["register_loggers"],
     "optim": ["register_lr_decays", "register_optimizers"],
-    "parallel": ["register_parallel_engines"],
+    "parallel": ["register_commands", "register_parallel_engines"],
     "schedules": ["register_pipeline_schedules"],
     "tokenizers": ["register_tokenizers"],
     "tp_modes": ["register_tp_modes"],
@@ -100,7 +100,8 @@ def test_registries_list_names_with_their_plugin_and_aliases(listing):
         "dataset_format": {"dummy": "data", "nanoset": "data", "hf": "data"},
         "tokenizer": {"byte": "tokenizers", "hf": "tokenizers"},
         "logger": {"console": "loggers", "jsonl": "loggers", "tensorboard": "loggers", "wandb": "loggers"},
-        "command": {"preprocess": "data"},  # pipeline-sim is a core command (nanocore/commands/)
+        # pipeline-sim is a core command (nanocore/commands/); pipeline-probe runs the nd engine's blocks
+        "command": {"preprocess": "data", "pipeline-probe": "parallel"},
     }
     for kind, names in expected.items():
         for name, plugin in names.items():

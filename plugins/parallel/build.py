@@ -13,6 +13,7 @@ model declares in `vocab_parameters` say which rows are real, so checkpoints hol
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable
@@ -86,6 +87,14 @@ def partition(blocks: list[list[str]], parts: int) -> list[list[list[str]]]:
         bounds.append((cut[k][i], i))
         i = cut[k][i]
     return [blocks[a:b] for a, b in reversed(bounds)]
+
+
+@functools.lru_cache(maxsize=256)
+def partition_indices(num_blocks: int, parts: int) -> list[list[int]]:
+    """`partition` of `num_blocks` blocks by index: the block indices of each chunk (the time model
+    and the pipeline probe cut as a run does)."""
+    chunks = partition([[str(i)] for i in range(num_blocks)], parts)
+    return [[int(block[0]) for block in chunk] for chunk in chunks]
 
 
 _MODEL_KEYS: dict[int, tuple[object, str]] = {}

@@ -171,20 +171,13 @@ def stage_times(times: list[BlockTimes], cut: list[list[int]], recompute: bool) 
     return out
 
 
-def _cut(num_blocks: int, stages: int) -> list[list[int]]:
-    from .build import partition
-
-    indices = [[str(i)] for i in range(num_blocks)]
-    return [[int(block[0]) for block in chunk] for chunk in partition(indices, stages)]
-
-
 def run(args: argparse.Namespace) -> int:
     from nanocore.config.load import load_config
     from nanocore.dtypes import resolve_dtype
     from nanocore.memory import return_freed_memory
     from nanocore.pipeline_sim import simulate
 
-    from .build import build_local_model, chunk_modules, meta_model
+    from .build import build_local_model, chunk_modules, meta_model, partition_indices
     from .loss import language_model_loss
 
     if args.repeats < 1:
@@ -253,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--engines: {name} at pp {pp}, {m} micro-batches: {problems[0]}")
         if pp * v > len(blocks):
             raise ConfigError(f"--engines: {name}: {len(blocks)} pipeline blocks cannot fill {pp * v} stages")
-        per = stage_times(times, _cut(len(blocks), pp * v), par.recompute == "full")
+        per = stage_times(times, partition_indices(len(blocks), pp * v), par.recompute == "full")
         schedule = schedule_entry.factory(probe_config)
         result = simulate(
             schedule,

@@ -48,7 +48,6 @@ measures on CPU, where gloo shares the cores: near 0 on a busy 2-core machine).
 from __future__ import annotations
 
 import fnmatch
-import functools
 import math
 
 import attrs
@@ -66,7 +65,7 @@ from nanocore.pipeline_sim import PreparedSchedule, prepare
 from nanocore.pipeline_sim import makespan as simulated_makespan
 from nanocore.registry import Registries
 
-from .build import meta_model, model_key, partition
+from .build import meta_model, model_key, partition_indices
 from .expert_parallel import is_expert, shard_experts
 from .tensor_parallel import PlannedGroup
 from .tensor_parallel import parallelize as tp_parallelize
@@ -499,12 +498,6 @@ def optimizer_seconds(params: int, expert_params: int, lay: Layout, hw: Hardware
 _FLOPS: dict[tuple[str, int], float] = {}
 
 
-@functools.lru_cache(maxsize=256)
-def _partition(blocks: int, parts: int) -> list[list[list[str]]]:
-    """The engine's partition of `blocks` blocks (named by index) into `parts` chunks."""
-    return partition([[str(i)] for i in range(blocks)], parts)
-
-
 _MAKESPANS: dict[tuple[object, ...], float] = {}
 _PREPARED: dict[tuple[str, int, int, int], PreparedSchedule] = {}  # (pp_engine, pp, microbatches, chunks)
 
@@ -547,9 +540,7 @@ def _block_costs(blk: Block, inv: Inventory, lay: Layout, hw: Hardware) -> dict[
     return costs
 
 
-_STAGES: dict[
-    tuple[object, ...], tuple[Inventory, Hardware, list[dict[str, float]], list[dict[str, float]], tuple]
-] = {}
+_STAGES: dict[tuple[object, ...], tuple[Inventory, Hardware, list[dict[str, float]], tuple]] = {}
 
 
 def _costs_key(lay: Layout) -> tuple[object, ...]:
@@ -562,13 +553,33 @@ def _costs_key(lay: Layout) -> tuple[object, ...]:
     )
 
 
+def _split_terms(c: dict[str, float], messages: float = 0.0) -> dict[str, float]:
+    """F, B, I and W from a block's (or a stage's summed) terms: F is the matmuls, attention core,
+    non-matmul work and forward collectives; I the input gradient (the matmuls again, twice the
+    rest, recompute, backward collectives); W the weight gradients (the matmuls once more); B = I + W.
+    `messages`: a stage's pipeline message each way."""
+    forward = c["mm"] + c["att"] + c["mem"] + c["tpf"] + c["cpf"] + c["epf"] + messages
+    inputs = c["mm"] + 2 * c["att"] + 2 * c["mem"] + c["rec"] + c["tpb"] + c["cpb"] + c["epb"] + messages
+    return {"F": forward, "B": inputs + c["mm"], "I": inputs, "W": c["mm"]}
+
+
+def _dtype(config: Config, hardware: Hardware, device: str) -> str:
+    """The dtype the prediction computes in (float32 as tf32 where the hardware lists only that);
+    a clear error when the description lacks it."""
+    dtype = resolve_dtype_name(config.model.dtype, device)
+    if dtype == "float32" and "float32" not in hardware.peak_flops and "tf32" in hardware.peak_flops:
+        dtype = "tf32"
+    hardware.peak(dtype)
+    return dtype
+
+
 def _stage_terms(inv: Inventory, lay: Layout, hw: Hardware, p2p: float) -> list[dict[str, float]]:
     """Each stage's terms per micro-batch (a rank's chunks differ: the first stage embeds, the last
     computes the loss): the blocks' sums, and F, B and its split halves I and W."""
     costs: dict[Block, dict[str, float]] = {}
     per_stage = []
-    for chunk in _partition(len(inv.blocks), lay.pp * lay.virtual):
-        blocks = [inv.blocks[int(b[0])] for b in chunk]
+    for chunk in partition_indices(len(inv.blocks), lay.pp * lay.virtual):
+        blocks = [inv.blocks[b] for b in chunk]
         sums = dict.fromkeys(("mm", "att", "mem", "rec", "tpf", "tpb", "cpf", "cpb", "epf", "epb"), 0.0)
         params = expert_params = 0
         for blk in blocks:
@@ -578,31 +589,15 @@ def _stage_terms(inv: Inventory, lay: Layout, hw: Hardware, p2p: float) -> list[
                 sums[key] += value
             params += blk.params
             expert_params += blk.expert_params
-        messages = p2p
-        forward = sums["mm"] + sums["att"] + sums["mem"] + sums["tpf"] + sums["cpf"] + sums["epf"] + messages
-        weight = sums["mm"]
-        inputs = (
-            sums["mm"]
-            + 2 * sums["att"]
-            + 2 * sums["mem"]
-            + sums["rec"]
-            + sums["tpb"]
-            + sums["cpb"]
-            + sums["epb"]
-            + messages
-        )
         per_stage.append(
             {
                 **sums,
-                "F": forward,
-                "B": inputs + weight,
-                "I": inputs,
-                "W": weight,
+                **_split_terms(sums, p2p),
                 "params": params,
                 "expert_params": expert_params,
                 "blocks": len(blocks),
                 "ops": sum(b.memory.ops for b in blocks),
-                "p2p": 2 * messages,
+                "p2p": 2 * p2p,
             }
         )
     return per_stage
@@ -611,23 +606,15 @@ def _stage_terms(inv: Inventory, lay: Layout, hw: Hardware, p2p: float) -> list[
 def block_seconds(
     config: Config, registries: Registries, hardware: Hardware, device: str = "cuda"
 ) -> list[dict[str, float]]:
-    """Each pipeline block's predicted F, B, I and W seconds on one micro-batch, at the config's
-    tp, cp and ep (what `nanocore pipeline-probe --hardware` prints beside its measurements): F is
-    the block's matmuls, attention core, non-matmul work and forward collectives; I its input
-    gradient (the matmuls again, twice the rest, recompute, backward collectives); W its weight
-    gradients (the matmuls once more); B = I + W."""
-    dtype = resolve_dtype_name(config.model.dtype, device)
-    if dtype == "float32" and "float32" not in hardware.peak_flops and "tf32" in hardware.peak_flops:
-        dtype = "tf32"
-    hardware.peak(dtype)
-    lay = layout_of(config, registries, dtype, 1.0)
+    """Each pipeline block's predicted F, B, I and W seconds on one micro-batch (`_split_terms`), at
+    the config's tp, cp and ep (what `nanocore pipeline-probe --hardware` prints beside its
+    measurements), with the terms they sum."""
+    lay = layout_of(config, registries, _dtype(config, hardware, device), 1.0)
     inv = inventory(config, registries, lay.tp)
     out = []
     for blk in inv.blocks:
         c = _block_costs(blk, inv, lay, hardware)
-        forward = c["mm"] + c["att"] + c["mem"] + c["tpf"] + c["cpf"] + c["epf"]
-        inputs = c["mm"] + 2 * c["att"] + 2 * c["mem"] + c["rec"] + c["tpb"] + c["cpb"] + c["epb"]
-        out.append({"F": forward, "B": inputs + c["mm"], "I": inputs, "W": c["mm"], **c})
+        out.append({**_split_terms(c), **c})
     return out
 
 
@@ -642,10 +629,7 @@ def predict(
     expert_load_factor: float = 1.0,
 ) -> TimePrediction:
     """The predicted step of `config` on `hardware` (see the module docstring)."""
-    dtype = resolve_dtype_name(config.model.dtype, device)
-    if dtype == "float32" and "float32" not in hardware.peak_flops and "tf32" in hardware.peak_flops:
-        dtype = "tf32"
-    hardware.peak(dtype)  # a clear error when the description lacks it
+    dtype = _dtype(config, hardware, device)
     lay = layout_of(config, registries, dtype, expert_load_factor)
     inv = inventory(config, registries, lay.tp)
     schedule = registries.pipeline_schedule.get(config.parallelism.pp_engine).factory(config)
@@ -663,8 +647,8 @@ def predict(
             ids = [stage_of(schedule, c, rank, lay.pp, lay.virtual) for c in range(lay.virtual)]
             per_rank.append({k: sum(per_stage[i][k] for i in ids) for k in per_stage[0]})
         times = tuple(tuple(st[k] for st in per_stage) for k in ("F", "B", "I", "W"))  # one per stage
-        cached = _STAGES[stage_key] = (inv, hw, per_stage, per_rank, times)
-    per_rank, times = cached[3], cached[4]
+        cached = _STAGES[stage_key] = (inv, hw, per_rank, times)
+    per_rank, times = cached[2], cached[3]
     m = lay.microbatches
     key = (config.parallelism.pp_engine, lay.pp, m, lay.virtual, times)
     if key not in _MAKESPANS:  # layouts differing in what the pipeline does not see (ZeRO, cp mode) share it

@@ -13,6 +13,9 @@ public datasheet; `nanocore calibrate` writes one for the machine at hand):
     devices_per_node: 8
     intra_node: {bandwidth: 450e9, latency: 5e-6}   # bytes/s per device one way; seconds per message
     inter_node: {bandwidth: 50e9, latency: 10e-6}
+    # optional, per link: a kind of collective measured on its own (what `nanocore calibrate` writes);
+    # kinds not listed use the link's two figures
+    #   intra_node: {bandwidth: ..., latency: ..., collectives: {all_gather: {bandwidth: ..., latency: ...}}}
     matmul_efficiency: [[1e9, 0.25], [1e11, 0.7]]   # optional: (FLOPs of one matmul, fraction of peak)
 
 Bandwidth is a ring collective's *bus bandwidth* as nccl-tests reports it: the bytes each device
@@ -27,6 +30,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -36,15 +40,26 @@ import yaml
 from nanocore.errors import ConfigError
 
 DTYPES = ("float32", "tf32", "bfloat16", "float16", "float8")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
+# ring steps of each collective over n devices (`Hardware.collective_seconds`); a send is one message
+RING_STEPS: dict[str, Callable[[int], int]] = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1}
+RING_STEPS |= {"all_gather": lambda n: n - 1, "all_to_all": lambda n: n - 1}
 
 
 @attrs.frozen
 class Link:
     """One kind of connection between devices: bus bandwidth (bytes/s per device, one direction) and
-    the latency of one message step (seconds)."""
+    the latency of one message step (seconds); `collectives`: kinds (COLLECTIVES) measured on their
+    own, each with its own two figures in the same formula (a backend's all-gather need not run at
+    its all-reduce's rate: gloo's on CPU takes twice as long per byte)."""
 
     bandwidth: float
     latency: float
+    collectives: dict[str, Link] = attrs.field(factory=dict)
+
+    def of(self, kind: str) -> Link:
+        """The figures `kind` runs at: its own where measured, else the link's."""
+        return self.collectives.get(kind, self)
 
 
 @functools.lru_cache(maxsize=16)
@@ -120,13 +135,12 @@ class Hardware:
         n = group_size
         if size_bytes <= 0 or (n <= 1 and kind != "send"):
             return 0.0
-        link = self.link(max(n, 2), stride)
+        link = self.link(max(n, 2), stride).of(kind)
         if kind == "send":
             return link.latency + size_bytes / link.bandwidth
-        steps = {"all_reduce": 2 * (n - 1), "reduce_scatter": n - 1, "all_gather": n - 1, "all_to_all": n - 1}
-        if kind not in steps:
+        if kind not in RING_STEPS:
             raise ValueError(f"unknown collective {kind!r}")
-        return steps[kind] * (link.latency + size_bytes / n / link.bandwidth)
+        return RING_STEPS[kind](n) * (link.latency + size_bytes / n / link.bandwidth)
 
 
 def parse_size(text: str, what: str) -> int:
@@ -181,6 +195,20 @@ def _number(value: object, where: str, problems: list[str], positive: bool = Tru
     return number
 
 
+def _link(raw: dict, where: str, problems: list[str]) -> Link:
+    return Link(
+        _number(raw.get("bandwidth"), f"{where}.bandwidth", problems),
+        _number(raw.get("latency", 0.0), f"{where}.latency", problems, positive=False),
+    )
+
+
+def _link_yaml(link: Link) -> dict[str, object]:
+    out: dict[str, object] = {"bandwidth": link.bandwidth, "latency": link.latency}
+    if link.collectives:
+        out["collectives"] = {k: {"bandwidth": v.bandwidth, "latency": v.latency} for k, v in link.collectives.items()}
+    return out
+
+
 def parse_hardware(data: object, origin: str) -> Hardware:
     """A `Hardware` from parsed YAML; every problem named by its YAML path, all in one ConfigError."""
     if not isinstance(data, dict):
@@ -228,10 +256,22 @@ def parse_hardware(data: object, origin: str) -> Hardware:
         if not isinstance(raw, dict):
             problems.append(f"{origin}: {key}: expected {{bandwidth: bytes/s, latency: seconds}}")
             raw = {}
-        links[key] = Link(
-            _number(raw.get("bandwidth"), f"{origin}: {key}.bandwidth", problems),
-            _number(raw.get("latency", 0.0), f"{origin}: {key}.latency", problems, positive=False),
-        )
+        kinds: dict[str, Link] = {}
+        raw_kinds = raw.get("collectives") or {}
+        if not isinstance(raw_kinds, dict):
+            problems.append(f"{origin}: {key}.collectives: expected a mapping of collective to its figures")
+            raw_kinds = {}
+        for kind, figures in raw_kinds.items():
+            where = f"{origin}: {key}.collectives.{kind}"
+            if kind not in COLLECTIVES:
+                problems.append(f"{where}: unknown collective (one of {', '.join(COLLECTIVES)})")
+            elif not isinstance(figures, dict):
+                problems.append(f"{where}: expected {{bandwidth: bytes/s, latency: seconds}}")
+            else:
+                kinds[str(kind)] = _link(figures, where, problems)
+        for extra in set(raw) - {"bandwidth", "latency", "collectives"}:
+            problems.append(f"{origin}: {key}.{extra}: unknown field (known: bandwidth, collectives, latency)")
+        links[key] = attrs.evolve(_link(raw, f"{origin}: {key}", problems), collectives=kinds)
     devices = data.get("devices_per_node", 1)
     if not isinstance(devices, int) or devices < 1:
         problems.append(f"{origin}: devices_per_node: expected a positive integer, got {devices!r}")
@@ -283,8 +323,8 @@ def hardware_to_yaml(hw: Hardware, measured: dict[str, object] | None = None) ->
         "peak_flops": {k: float(v) for k, v in hw.peak_flops.items()},
         "memory": int(hw.memory_bytes),
         "devices_per_node": hw.devices_per_node,
-        "intra_node": {"bandwidth": hw.intra_node.bandwidth, "latency": hw.intra_node.latency},
-        "inter_node": {"bandwidth": hw.inter_node.bandwidth, "latency": hw.inter_node.latency},
+        "intra_node": _link_yaml(hw.intra_node),
+        "inter_node": _link_yaml(hw.inter_node),
         "matmul_efficiency": [[float(f), float(e)] for f, e in hw.matmul_efficiency],
     }
     if hw.memory_bandwidth is not None:

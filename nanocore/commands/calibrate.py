@@ -7,8 +7,17 @@ once as in training, measures:
 - matmul throughput over square and training-shaped matmuls in each dtype (float32; bfloat16 too on
   GPU, or with --dtypes): the peak is the best rate, the efficiency curve each size's rate over it,
   the slowest rank's (synchronous training waits for it);
-- all-reduce time over message sizes: the latency from the smallest (t / (2 (n-1))), the bus bandwidth
-  from the slope between the smallest and the largest (2 (n-1) / n bytes per byte reduced);
+- all-reduce time over message sizes *as a step pays it*: each all-reduce follows a matmul of about
+  a layer's size, and its cost is the mean time of (matmul + all-reduce) less the mean time of the
+  matmul alone. Latency and bus bandwidth are fitted to the ring formula, t(S) = 2 (n-1) (latency +
+  S / n / bandwidth), over all sizes (least relative error). Not the best of a tight loop: on a CPU
+  with gloo, a 4 KiB all-reduce's best is 0.5 ms, its mean in a tight loop 1.5-3 ms and after a
+  matmul 3-4 ms (its threads wake after the compute, and the ranks drift apart), and a step of a
+  tensor-parallel layout pays that on each of its hundreds of collectives;
+- the same for reduce-scatter, all-gather, all-to-all and a ring exchange of point-to-point messages
+  (send to the next rank, receive from the previous: context parallelism's and the pipeline's
+  pattern), each fitted on its own (`intra_node.collectives`): gloo's all-gather and reduce-scatter
+  take twice an all-reduce's time per byte, its all-to-all and messages a third of its latency;
 - a large elementwise op into a fresh buffer for the memory bandwidth, and the device memory (on CPU:
   the RAM over N);
 - how much compute hides a collective running beside it (`compute_overlap`): a 4 MiB all-reduce and
@@ -40,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanocore.errors import ConfigError
+from nanocore.hardware import RING_STEPS
 from nanocore.memory import return_freed_memory
 
 if TYPE_CHECKING:
@@ -81,22 +91,50 @@ def _time(fn: Callable[[], object], seconds: float, sync: Callable[[], None]) ->
     return best
 
 
-def _time_collective(fn: Callable[[], object], seconds: float, sync: Callable[[], None], device: torch.device) -> float:
-    """`_time` for a collective: every rank must make the same number of calls (a rank that stopped
-    early would wait in its next collective while the others wait in this one), so the count is
-    agreed first, the largest any rank needs for `seconds` (3 to 200)."""
+def _in_step(
+    fn: Callable[[], object],
+    compute: Callable[[], object],
+    seconds: float,
+    sync: Callable[[], None],
+    device: torch.device,
+) -> float:
+    """Mean seconds `fn` (a collective) adds when it follows `compute`, as a training step runs them:
+    (compute + fn) over an agreed number of calls, then compute alone as often, less it. A mean,
+    not a best: a step pays every call's wait. Every rank must make the same number of calls (a rank
+    that stopped early would wait in its next collective while the others wait in this one), so the
+    count is agreed first: the largest any rank needs for `seconds` (30 to 400)."""
     import torch
     import torch.distributed as dist
 
-    fn()
+    for _ in range(2):
+        compute()
+        fn()
     sync()
     start = time.perf_counter()
+    compute()
     fn()
     sync()
     one = max(time.perf_counter() - start, 1e-9)
-    calls = torch.tensor([min(max(math.ceil(seconds / one), 3), 200)], dtype=torch.int64, device=device)
+    calls = torch.tensor([min(max(math.ceil(seconds / one), 30), 400)], dtype=torch.int64, device=device)
     dist.all_reduce(calls, op=dist.ReduceOp.MAX)
-    return _best_of(fn, int(calls.item()), sync)
+    n = int(calls.item())
+
+    def mean(body: Callable[[], object]) -> float:
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        for _ in range(n):
+            body()
+        sync()
+        return (time.perf_counter() - start) / n
+
+    def both() -> None:
+        compute()
+        fn()
+
+    together = mean(both)
+    alone = mean(compute)
+    return max(together - alone, 1e-7)
 
 
 def _best_of(fn: Callable[[], object], calls: int, sync: Callable[[], None], barrier: bool = False) -> float:
@@ -147,6 +185,37 @@ def _overlap(world: int, device: torch.device, sync: Callable[[], None]) -> floa
     return min(1.0, max(0.0, (comm + alone - together) / shorter))
 
 
+def _collective(kind: str, size: int, rank: int, world: int, device: torch.device) -> Callable[[], object]:
+    """One call of collective `kind` on `size` bytes as `Hardware.collective_seconds` counts them
+    (reduce-scatter's input, all-gather's output, all-to-all's send buffer, one message)."""
+    import torch
+    import torch.distributed as dist
+
+    n = size // 4
+    part = torch.ones(n // world, device=device)
+    whole = torch.ones(n // world * world, device=device)
+    if kind == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return functools.partial(scatter, part, whole)
+    if kind == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return functools.partial(gather, whole, part)
+    if kind == "all_to_all":
+        received = torch.empty_like(whole)
+        return functools.partial(dist.all_to_all_single, received, whole)
+    message, received = torch.ones(n, device=device), torch.empty(n, device=device)
+
+    def exchange() -> None:  # to the next rank, from the previous one
+        ops = [
+            dist.P2POp(dist.isend, message, (rank + 1) % world),
+            dist.P2POp(dist.irecv, received, (rank - 1) % world),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    return exchange
+
+
 def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -167,7 +236,7 @@ def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any)
             if cuda:
                 torch.cuda.synchronize(device)
 
-        out: dict[str, Any] = {"matmul": {}, "all_reduce": [], "copy": 0.0}
+        out: dict[str, Any] = {"matmul": {}, "all_reduce": [], "collectives": {}, "copy": 0.0}
         sizes = GPU_SQUARE if cuda else SQUARE
         rows = (1024, 4096, 16384) if cuda else (256, 1024)  # tokens of a micro-batch
         shapes = [(n, n, n) for n in sizes] + [(m, k, f * k) for m in rows for k in sizes[:-1] for f in (1, 4)]
@@ -185,13 +254,30 @@ def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any)
             out["matmul"][dtype_name] = points
             if rank == 0:
                 print(f"calibrate: matmuls in {dtype_name} measured ({len(points)} shapes)", file=sys.stderr)
+        # a layer's matmul before each all-reduce (about 1.5 ms on one CPU thread, 0.3 ms on a GPU)
+        k = 4096 if cuda else 256
+        layer_a = torch.randn(k, k, device=device)
+        layer_b = torch.randn(k, 3 * k, device=device)
+        layer = functools.partial(torch.mm, layer_a, layer_b)
         for size in GPU_MESSAGE_BYTES if cuda else MESSAGE_BYTES:
             x = torch.ones(size // 4, device=device)
             dist.barrier()
-            took = _time_collective(functools.partial(dist.all_reduce, x), args["seconds"], sync, device)
+            reduce = functools.partial(dist.all_reduce, x)
+            took = _in_step(reduce, layer, 10 * args["seconds"], sync, device)
             out["all_reduce"].append([float(size), took])
         if rank == 0:
             print(f"calibrate: all-reduce over {world} process(es) measured", file=sys.stderr)
+        if world > 1:
+            for kind in ("reduce_scatter", "all_gather", "all_to_all", "send"):
+                points = []
+                for size in (GPU_MESSAGE_BYTES if cuda else MESSAGE_BYTES)[::2]:
+                    call = _collective(kind, size, rank, world, device)
+                    dist.barrier()
+                    took = _in_step(call, layer, 10 * args["seconds"], sync, device)
+                    points.append([float(size), took])
+                out["collectives"][kind] = points
+            if rank == 0:
+                print("calibrate: reduce-scatter, all-gather, all-to-all and messages measured", file=sys.stderr)
         out["overlap"] = _overlap(world, device, sync) if world > 1 else 1.0
         big = torch.empty(2**26 if cuda else 2**24, device=device)  # 256 MiB / 64 MiB of float32
         dist.barrier()
@@ -220,11 +306,37 @@ def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any)
 
 def _fit_all_reduce(points: list[list[float]], world: int) -> tuple[float, float]:
     """(bus bandwidth bytes/s, latency s) of t(S) = 2 (n-1) (latency + S / n / bandwidth)."""
-    (s0, t0), (s1, t1) = points[0], points[-1]
-    steps = 2 * max(world - 1, 1)
-    slope = max((t1 - t0) / (s1 - s0), 1e-15)  # seconds per byte reduced
-    bandwidth = steps / max(world, 2) / slope
-    latency = max(t0 - slope * s0, 0.0) / steps
+    return _fit(points, 2 * max(world - 1, 1), max(world, 2))
+
+
+def _fit_kind(kind: str, points: list[list[float]], world: int) -> tuple[float, float]:
+    """`_fit` in `kind`'s formula (`Hardware.collective_seconds`): a message is latency + S / bandwidth."""
+    if kind == "send":
+        return _fit(points, 1, 1)
+    return _fit(points, RING_STEPS[kind](max(world, 2)), max(world, 2))
+
+
+def _fit(points: list[list[float]], steps: int, per: int) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of t(S) = steps (latency + S / per / bandwidth): the line
+    t = a + c S with the least relative error over the measured (S, t) points (each point's error
+    over its own t, so the small messages set the latency and the large ones the bandwidth), a and c
+    at least 0."""
+    # minimise sum ((a + c S) / t - 1)^2: weights 1 / t^2 on the residuals a + c S - t
+    w = [1.0 / max(t, 1e-12) ** 2 for _, t in points]
+    sw = sum(w)
+    ss = sum(wi * s for wi, (s, _) in zip(w, points, strict=True))
+    sss = sum(wi * s * s for wi, (s, _) in zip(w, points, strict=True))
+    st = sum(wi * t for wi, (_, t) in zip(w, points, strict=True))
+    sst = sum(wi * s * t for wi, (s, t) in zip(w, points, strict=True))
+    det = sw * sss - ss * ss
+    slope = (sw * sst - ss * st) / det if det > 0 else 0.0
+    intercept = (st - slope * ss) / sw
+    if slope <= 0:  # no growth with size measured: all latency, bandwidth from the largest message
+        slope, intercept = 1e-15, st / sw
+    elif intercept < 0:  # the best line through the origin
+        slope, intercept = sst / sss, 0.0
+    bandwidth = steps / per / max(slope, 1e-15)
+    latency = max(intercept, 0.0) / steps
     return bandwidth, latency
 
 
@@ -294,7 +406,12 @@ def describe(ranks: list[dict[str, Any]], world: int, threads: int, name: str) -
             curve = [_mean_point(pts) for _, pts in sorted(bins.items())]
     reduce_points = [[p[0], max(r["all_reduce"][i][1] for r in ranks)] for i, p in enumerate(ranks[0]["all_reduce"])]
     bandwidth, latency = _fit_all_reduce(reduce_points, world)
-    link = Link(bandwidth, latency)
+    kinds = {}
+    for kind in ranks[0].get("collectives", {}):
+        sizes = [p[0] for p in ranks[0]["collectives"][kind]]
+        points = [[size, max(r["collectives"][kind][i][1] for r in ranks)] for i, size in enumerate(sizes)]
+        kinds[kind] = Link(*_fit_kind(kind, points, world))
+    link = Link(bandwidth, latency, kinds)
     cuda = ranks[0]["memory"] is not None
     memory = int(ranks[0]["memory"]) if cuda else _total_ram() // max(world, 1)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -342,7 +459,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"calibrate: {args.world_size} process(es), measuring (about a minute)", file=sys.stderr)
     ranks = measure(args.world_size, threads, dtypes, args.seconds)
     hw = describe(ranks, args.world_size, threads, args.name or socket.gethostname())
-    raw = {"matmul_flops_per_s": ranks[0]["matmul"], "all_reduce_seconds": [r["all_reduce"] for r in ranks]}
+    raw = {
+        "matmul_flops_per_s": ranks[0]["matmul"],
+        "all_reduce_seconds": [r["all_reduce"] for r in ranks],
+        "collective_seconds": [r["collectives"] for r in ranks],
+    }
     tmp = output.with_name(output.name + ".tmp")
     tmp.write_text(hardware_to_yaml(hw, measured=raw))
     load_hardware(str(tmp))  # what it wrote reads back
@@ -355,4 +476,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"compute overlap {hw.compute_overlap:.2f}",
         file=sys.stderr,
     )
+    for kind, link in hw.intra_node.collectives.items():
+        print(
+            f"calibrate:   {kind}: bandwidth {link.bandwidth / 1e9:.2f} GB/s, latency {link.latency * 1e6:.1f} us",
+            file=sys.stderr,
+        )
     return 0

@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from nanocore.commands.calibrate import _fit_all_reduce
+from nanocore.commands.calibrate import _fit_all_reduce, _fit_kind
 from nanocore.hardware import load_hardware
 from tests.helpers.launch import REPO
 from tests.helpers.training import tiny_config
@@ -23,6 +23,23 @@ def test_the_all_reduce_fit_recovers_latency_and_bandwidth_of_the_ring_formula()
     got_bandwidth, got_latency = _fit_all_reduce(points, world)
     assert got_bandwidth == pytest.approx(bandwidth, rel=1e-9)
     assert got_latency == pytest.approx(latency, rel=1e-9)
+    # each kind in its own formula: all-gather (n-1) steps, a message latency + size / bandwidth
+    gather = [[s, (world - 1) * (latency + s / world / bandwidth)] for s in sizes]
+    assert _fit_kind("all_gather", gather, world) == pytest.approx((bandwidth, latency), rel=1e-9)
+    send = [[s, latency + s / bandwidth] for s in sizes]
+    assert _fit_kind("send", send, world) == pytest.approx((bandwidth, latency), rel=1e-9)
+
+
+def test_the_fit_weighs_each_point_by_its_own_size_so_small_messages_set_the_latency():
+    """Means of collectives between compute are noisy (a few tenths of a millisecond on a CPU): the
+    fit must not let the largest message's noise swamp the latency the small ones measure."""
+    world, latency, bandwidth = 2, 1e-3, 1e9
+    sizes = [4096.0, 65536.0, 2.0**20, 2.0**24]
+    exact = [2 * (world - 1) * (latency + s / world / bandwidth) for s in sizes]
+    noisy = [[s, t * f] for s, t, f in zip(sizes, exact, (1.05, 0.95, 1.05, 0.95), strict=True)]
+    got_bandwidth, got_latency = _fit_all_reduce(noisy, world)
+    assert got_latency == pytest.approx(latency, rel=0.1)
+    assert got_bandwidth == pytest.approx(bandwidth, rel=0.1)
 
 
 @pytest.mark.slow
@@ -42,6 +59,9 @@ def test_calibrate_two_processes_writes_a_description_plan_reads(tmp_path):
     assert max(e for _, e in hw.matmul_efficiency) == pytest.approx(1.0, rel=0.5)
     raw = yaml.safe_load(out.read_text())
     assert len(raw["measured"]["all_reduce_seconds"]) == 2  # each rank's raw figures are kept
+    # each kind of collective measured on its own, as a step pays it
+    assert set(hw.intra_node.collectives) == {"reduce_scatter", "all_gather", "all_to_all", "send"}
+    assert all(k.bandwidth > 0 and k.latency >= 0 for k in hw.intra_node.collectives.values())
     assert not out.with_name(out.name + ".tmp").exists()
 
     config = tmp_path / "c.yaml"
@@ -72,7 +92,7 @@ def _timed_all_reduce(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from nanocore.commands.calibrate import _time_collective
+    from nanocore.commands.calibrate import _in_step
 
     calls = []
     x = torch.ones(16)
@@ -81,10 +101,10 @@ def _timed_all_reduce(rank, world_size):
         calls.append(1)
         dist.all_reduce(x)
 
-    # rank 1 wants ten times the time rank 0 does: each alone would stop after a different number of
-    # calls, and the rank that stopped first would wait in the next collective for ever
-    seconds = 0.002 if rank == 0 else 0.02
-    took = _time_collective(reduce, seconds, lambda: None, torch.device("cpu"))
+    # rank 1 wants a hundred times the time rank 0 does: each alone would stop after a different
+    # number of calls, and the rank that stopped first would wait in the next collective for ever
+    seconds = 0.002 if rank == 0 else 0.2
+    took = _in_step(reduce, lambda: torch.ones(64).sum(), seconds, lambda: None, torch.device("cpu"))
     dist.barrier()
     return len(calls), took
 
@@ -95,5 +115,5 @@ def test_timing_a_collective_makes_every_rank_call_it_equally_often():
     from tests.helpers.distributed import run_ranks
 
     (calls0, took0), (calls1, took1) = run_ranks(2, _timed_all_reduce, timeout=60)
-    assert calls0 == calls1 >= 5  # two untimed calls, then the agreed count (at least 3)
+    assert calls0 == calls1 >= 33  # three untimed calls, then the agreed count (at least 30)
     assert took0 > 0 and took1 > 0

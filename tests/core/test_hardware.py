@@ -58,6 +58,11 @@ def test_collectives_follow_the_ring_alpha_beta_model_and_cross_nodes_at_the_slo
     assert hw.collective_seconds("all_reduce", size, 4, stride=2) == pytest.approx(6 * (2e-5 + 2e6 / 10e9))
     assert hw.collective_seconds("send", size, 1) == pytest.approx(1e-5 + size / 100e9)
     assert hw.collective_seconds("all_reduce", size, 1) == 0.0
+    # a kind measured on its own (what calibrate writes) runs at its own figures, in the same formula
+    gloo = attrs.evolve(hw, intra_node=attrs.evolve(hw.intra_node, collectives={"all_gather": Link(25e9, 1e-3)}))
+    assert gloo.collective_seconds("all_gather", size, 4) == pytest.approx(3 * (1e-3 + 2e6 / 25e9))
+    assert gloo.collective_seconds("all_reduce", size, 4) == hw.collective_seconds("all_reduce", size, 4)
+    assert gloo.collective_seconds("all_gather", size, 4, stride=2) == hw.collective_seconds("all_gather", size, 4, 2)
 
 
 def test_a_file_round_trips_and_relative_figures_read_as_numbers(tmp_path):
@@ -69,6 +74,10 @@ def test_a_file_round_trips_and_relative_figures_read_as_numbers(tmp_path):
     slow = attrs.evolve(hw, op_overhead=3e-6, compute_overlap=0.25)  # what calibrate measures travels too
     path.write_text(hardware_to_yaml(slow))
     assert load_hardware(str(path)) == slow
+    kinds = {"send": Link(1e9, 1.5e-3), "all_to_all": Link(2e9, 1e-3)}
+    measured = attrs.evolve(hw, intra_node=attrs.evolve(hw.intra_node, collectives=kinds))
+    path.write_text(hardware_to_yaml(measured))
+    assert load_hardware(str(path)) == measured
     assert slow.memory_bound_seconds(10, 3.35e9) == pytest.approx(10 * 3e-6 + 1e-3)
     # YAML 1.1 reads 1e9 (no dot, no exponent sign) as a string: the loader takes it as a number
     data = yaml.safe_load(path.read_text())
@@ -87,7 +96,12 @@ def test_every_problem_of_a_bad_file_is_named_by_its_field_in_one_error(tmp_path
                 "memory": "lots",
                 "devices_per_node": 0,
                 "intra_node": {"bandwidth": -1},
-                "inter_node": {"bandwidth": 1e9, "latency": 1e-5},
+                "inter_node": {
+                    "bandwidth": 1e9,
+                    "latency": 1e-5,
+                    "collectives": {"broadcast": {"bandwidth": 1e9}, "send": {"bandwidth": 0}},
+                    "hops": 2,
+                },
                 "matmul_efficiency": [[1e9, 1.5], [3]],
                 "colour": "green",
                 "op_overhead": -1e-6,
@@ -109,9 +123,12 @@ def test_every_problem_of_a_bad_file_is_named_by_its_field_in_one_error(tmp_path
         "colour: unknown field",
         "op_overhead: expected seconds >= 0",
         "compute_overlap: expected a share from 0 to 1",
+        "inter_node.collectives.broadcast: unknown collective",
+        "inter_node.collectives.send.bandwidth: expected a positive number",
+        "inter_node.hops: unknown field",
     ):
         assert field in text, field
-    assert len(info.value.problems) == 10
+    assert len(info.value.problems) == 13
 
 
 def test_the_config_names_a_hardware_it_cannot_find_before_anything_starts(tmp_path):

@@ -21,10 +21,13 @@ model built on the meta device with the layout's TP (the same parameters the eng
 - tensor_parallel (`tensor_parallel_seconds`): per decoder layer two all-reduces of T x hidden
   activations forward and two backward (REDUCE_SCATTER: an all-gather and a reduce-scatter for
   each); with tp_linear_async_communication the backward's all-gathers hide behind the weight
-  gradients; one more each way for the embedding and the head;
+  gradients; the embedding's output forward, the head's input backward, and the vocabulary-parallel
+  loss's two small all-reduces forward;
 - context_parallel (`context_parallel_seconds`): ring: (cp - 1) key/value blocks sent per layer
-  forward, with their gradients backward, overlapped with attention (only what exceeds it shows);
-  all_to_all: queries, keys, values and the output swapped forward and backward (not overlapped);
+  forward, again backward with their float32 gradients one hop more, overlapped with attention (only
+  what exceeds it shows), and each ring step's float32 score block written out and read back
+  (`RING_SCORE_PASSES`) at the memory bandwidth; all_to_all: queries, keys, values and the output
+  swapped forward and backward (not overlapped), each copied three times around its swap;
 - expert_parallel (`expert_parallel_seconds`): per MoE layer a dispatch and a combine all-to-all of
   T / sp x k tokens' hidden vectors forward and backward, x the expert-load factor;
 - pipeline_p2p (`pipeline_p2p_seconds`): one activation message per forward and one gradient per
@@ -33,13 +36,14 @@ model built on the meta device with the layout's TP (the same parameters the eng
   split-backward times; the bubble is the step's makespan less the busiest rank's work;
 - data_parallel (`data_parallel_seconds`): the gradient all-reduce (ZeRO-2/3: reduce-scatter) over
   dp x cp, overlapped with the last micro-batch's backward (at least one bucket shows); ZeRO-1/2's
-  all-gather of updated parameters after the step; ZeRO-3's gathers in every forward and backward,
-  overlapped with that compute but for each pass's first block;
+  all-gather of updated parameters after the step; ZeRO-3's gathers, one per parameter tensor, in
+  every forward and backward, overlapped with that compute but for each pass's first block;
 - optimizer (`optimizer_seconds`): the step reads and writes each updated element's parameter,
   gradient and states once at the memory bandwidth.
 
 Collectives follow the ring alpha-beta model of `nanocore.hardware.Hardware.collective_seconds`,
-at the intra-node link while a group's ranks fit in one node (tp innermost, then cp, pp, dp). Where a
+at the intra-node link while a group's ranks fit in one node (tp innermost, then cp, pp, dp), each
+kind at its own figures where the description measured them (`nanocore calibrate`). Where a
 term says "overlapped with" or "hides behind" some compute, only the hardware's `compute_overlap`
 share of that compute hides it (1 on a GPU, whose collectives have their own engine; what calibrate
 measures on CPU, where gloo shares the cores: near 0 on a busy 2-core machine).
@@ -72,6 +76,13 @@ from .tensor_parallel import parallelize as tp_parallelize
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CAUSAL = 0.5  # causal attention computes about half of the score matrix
+# times each ring step's score block is read or written, forward and backward (count: `_block_forward`
+# writes the scores, scales them (read, write), masks them on the diagonal (read, write), takes the
+# log-sum-exp (read), subtracts it and exponentiates (2 x read, write) and reads them into the
+# output's matmul; `_block_backward` does the same up to the probabilities, then writes the
+# probabilities' gradient, subtracts delta and multiplies (3 x read, write) and reads the result
+# twice into the matmuls)
+RING_SCORE_PASSES = (10, 18)
 
 
 @attrs.frozen
@@ -106,6 +117,8 @@ class Block:
     params: int
     expert_params: int
     memory: MemoryBound = NO_MEMORY_BOUND
+    role: str = "layer"  # "embedding" (the first block), "head" (the last: it computes the loss) or "layer"
+    tensors: int = 0  # trainable parameter tensors (ZeRO-3 gathers each one by one)
 
 
 @attrs.frozen
@@ -118,6 +131,7 @@ class Inventory:
     attention_key_value: float
     kv_heads: int
     top_k: float  # tokens' expert choices per MoE layer (0 for a dense model)
+    heads: int = 0  # query heads per layer before TP (0: not declared)
 
 
 _INVENTORIES: dict[tuple[str, ...], Inventory] = {}  # a search asks for the same few thousands of times
@@ -158,8 +172,9 @@ def _read_inventory(config: Config, registries: Registries, tp: int) -> Inventor
     alike: dict[Block, Block] = {}
     hidden = 0
     top_k = 0.0
-    for block in model.pipeline_blocks():
-        matmuls, params, expert_params, seen = [], 0, 0, set()
+    pipeline_blocks = list(model.pipeline_blocks())
+    for block in pipeline_blocks:
+        matmuls, params, expert_params, tensors, seen = [], 0, 0, 0, set()
         is_moe = any(name == layer or layer.startswith(name + ".") for name in block for layer in moe)
         for name in block:
             for module in model.get_submodule(name).modules():
@@ -171,6 +186,7 @@ def _read_inventory(config: Config, registries: Registries, tp: int) -> Inventor
                     if lookup:
                         hidden = hidden or int(p.shape[-1])
                     if p.requires_grad:
+                        tensors += 1
                         if is_expert(p):
                             expert_params += p.numel()
                         else:
@@ -184,7 +200,9 @@ def _read_inventory(config: Config, registries: Registries, tp: int) -> Inventor
                     matmuls.append(Matmul(p.numel(), experts, fraction))
         attention = any(".layers." in name or name.startswith("layers.") for name in block)
         memory = traced[len(blocks_out)] if len(blocks_out) < len(traced) else NO_MEMORY_BOUND
-        made = Block(tuple(matmuls), attention, is_moe, params, expert_params, memory)
+        at = len(blocks_out)
+        role = "embedding" if at == 0 else "head" if at == len(pipeline_blocks) - 1 else "layer"
+        made = Block(tuple(matmuls), attention, is_moe, params, expert_params, memory, role, tensors)
         blocks_out.append(alike.setdefault(made, made))  # alike layers: one object, costed once by `predict`
     return Inventory(
         blocks=tuple(blocks_out),
@@ -193,6 +211,7 @@ def _read_inventory(config: Config, registries: Registries, tp: int) -> Inventor
         attention_key_value=float(declared.get("attention_key_value", 0.0)),
         kv_heads=int(declared.get("attention_kv_heads", 0)),
         top_k=top_k,
+        heads=int(getattr(model, "attention_heads", 0) or 0),
     )
 
 
@@ -389,19 +408,33 @@ def recompute_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -
 
 
 def tensor_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -> tuple[float, float]:
-    """(forward, backward) seconds of a block's TP collectives on one micro-batch."""
+    """(forward, backward) seconds of a block's TP collectives on one micro-batch: a decoder layer's
+    attention and MLP each enter and leave the TP region once each way; the embedding leaves it
+    forward (its backward enters: nothing under ALL_REDUCE), the head enters it (nothing forward under
+    ALL_REDUCE) and its vocabulary-parallel loss all-reduces each token's largest logit, then its sum
+    of exponentials and target logit (float32)."""
     if lay.tp <= 1:
         return 0.0, 0.0
     size = lay.tokens * inv.hidden * lay.dtype_bytes
-    if lay.sequence_parallel:
-        pair = hw.collective_seconds("all_gather", size, lay.tp) + hw.collective_seconds("reduce_scatter", size, lay.tp)
+    if lay.sequence_parallel:  # enter: all-gather forward, reduce-scatter backward; leave: the reverse
         gather = hw.collective_seconds("all_gather", size, lay.tp)
-    else:
-        pair = gather = hw.collective_seconds("all_reduce", size, lay.tp)
-    count = 2 if block.attention else 1  # attention and MLP; the embedding's or the head's one
-    hidden = count * gather * hw.compute_overlap if lay.tp_async and lay.sequence_parallel else 0.0
-    backward = count * pair - hidden
-    return count * pair, backward
+        scatter = hw.collective_seconds("reduce_scatter", size, lay.tp)
+        enter, leave = (gather, scatter), (scatter, gather)
+    else:  # enter: nothing forward, all-reduce backward; leave: the reverse
+        reduce = hw.collective_seconds("all_reduce", size, lay.tp)
+        enter, leave = (0.0, reduce), (reduce, 0.0)
+    if block.role == "embedding":
+        return leave
+    if block.role == "head":
+        loss = hw.collective_seconds("all_reduce", lay.tokens * 4, lay.tp) + hw.collective_seconds(
+            "all_reduce", 2 * lay.tokens * 4, lay.tp
+        )
+        return enter[0] + loss, enter[1]
+    count = 2 if block.attention else 1  # attention and MLP
+    forward, backward = count * (enter[0] + leave[0]), count * (enter[1] + leave[1])
+    if lay.tp_async and lay.sequence_parallel:  # the backward's all-gathers run beside the weight gradients
+        backward -= count * gather * hw.compute_overlap
+    return forward, backward
 
 
 def context_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -> tuple[float, float]:
@@ -415,13 +448,29 @@ def context_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hard
     if lay.cp_mode == "all_to_all":
         kv_heads = max(1, round(inv.kv_heads / lay.tp)) if inv.kv_heads else lay.cp
         repeat = lay.cp // math.gcd(kv_heads, lay.cp)
-        swap = sum(hw.collective_seconds("all_to_all", x, lay.cp, stride) for x in (q, repeat * kv, q))
-        return swap, swap
+        # queries, keys, values (each by itself) to heads-split, the output back; the same backward
+        swapped = (q, repeat * kv / 2, repeat * kv / 2, q)
+        swap = sum(hw.collective_seconds("all_to_all", x, lay.cp, stride) for x in swapped)
+        # each swapped tensor is copied three times on the device: laid out for the swap, back from
+        # it, and into sequence order (or out of it), each a read and a write
+        copies = hw.memory_bound_seconds(0, 3 * 2 * sum(swapped))
+        return swap + copies, swap + copies
     attention = attention_seconds(block, inv, lay, hw)
+    kv_grad = lay.tokens * inv.attention_key_value / lay.tp * 4  # float32 key/value gradients
     forward = (lay.cp - 1) * hw.collective_seconds("send", kv, 1, stride)
-    backward = (lay.cp - 1) * hw.collective_seconds("send", 2 * kv, 1, stride)
+    # backward: the key/value blocks go round again, and each block's gradients travel with them, one
+    # hop more (the last reaches the blocks' owner)
+    backward = forward + lay.cp * hw.collective_seconds("send", kv_grad, 1, stride)
     hiding = hw.compute_overlap * attention  # the exchange runs beside this block pair's attention
-    return max(0.0, forward - hiding), max(0.0, backward - 2 * hiding)
+    # each ring step's scores are written out (float32): the score matmul's output, scaling, the
+    # mask, log-sum-exp and exponentials, merged into the output; backward recomputes them and forms
+    # the score gradients. The diagonal block is T x T, each other one half of it.
+    scores = inv.heads / lay.tp * lay.tokens**2 * (1 + (lay.cp - 1) / 2) * 4
+    passes = (
+        hw.memory_bound_seconds(0, RING_SCORE_PASSES[0] * scores),
+        hw.memory_bound_seconds(0, RING_SCORE_PASSES[1] * scores),
+    )
+    return passes[0] + max(0.0, forward - hiding), passes[1] + max(0.0, backward - 2 * hiding)
 
 
 def expert_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -> tuple[float, float]:
@@ -457,6 +506,7 @@ def data_parallel_seconds(
     compute: float,
     bucket: float,
     blocks: int = 1,
+    tensors: int = 1,
 ) -> tuple[float, str]:
     """Exposed seconds of the data-parallel traffic of a rank holding `params` dense and `expert_params`
     expert elements (before ep), and the detail."""
@@ -476,9 +526,13 @@ def data_parallel_seconds(
     if lay.zero in (1, 2):
         exposed += gather  # updated rows back to every replica, after the step
     if lay.zero == 3:
-        # prefetched beside every forward and backward, but each pass's first block waits for its gather
-        first = hw.collective_seconds("all_gather", param_bytes / max(blocks, 1), dcp, stride)
-        exposed += max(2 * lay.microbatches * first, 2 * lay.microbatches * gather - hw.compute_overlap * compute)
+        # one all-gather per parameter tensor before each forward and each backward of its block,
+        # prefetched beside the previous block's compute; each pass's first block waits for its own
+        tensors = max(tensors, 1)
+        one = hw.collective_seconds("all_gather", param_bytes / tensors, dcp, stride)
+        first = math.ceil(tensors / max(blocks, 1)) * one
+        whole = tensors * one
+        exposed += max(2 * lay.microbatches * first, 2 * lay.microbatches * whole - hw.compute_overlap * compute)
     detail = f"{reduce} of {(dense_grads + expert_grads) / 2**20:.1f} MiB over {dcp} ranks; ZeRO {lay.zero}"
     return exposed, detail
 
@@ -581,7 +635,7 @@ def _stage_terms(inv: Inventory, lay: Layout, hw: Hardware, p2p: float) -> list[
     for chunk in partition_indices(len(inv.blocks), lay.pp * lay.virtual):
         blocks = [inv.blocks[b] for b in chunk]
         sums = dict.fromkeys(("mm", "att", "mem", "rec", "tpf", "tpb", "cpf", "cpb", "epf", "epb"), 0.0)
-        params = expert_params = 0
+        params = expert_params = tensors = 0
         for blk in blocks:
             if blk not in costs:  # decoder layers are alike: each distinct block costed once
                 costs[blk] = _block_costs(blk, inv, lay, hw)
@@ -589,6 +643,7 @@ def _stage_terms(inv: Inventory, lay: Layout, hw: Hardware, p2p: float) -> list[
                 sums[key] += value
             params += blk.params
             expert_params += blk.expert_params
+            tensors += blk.tensors
         per_stage.append(
             {
                 **sums,
@@ -596,6 +651,7 @@ def _stage_terms(inv: Inventory, lay: Layout, hw: Hardware, p2p: float) -> list[
                 "params": params,
                 "expert_params": expert_params,
                 "blocks": len(blocks),
+                "tensors": tensors,
                 "ops": sum(b.memory.ops for b in blocks),
                 "p2p": 2 * p2p,
             }
@@ -675,10 +731,18 @@ def predict(
     dp_times: dict[tuple[float, ...], tuple[float, str]] = {}  # ranks alike (middle stages) costed once
     opts: dict[tuple[float, float], float] = {}
     for i, x in enumerate(per_rank):
-        args = (x["params"], x["expert_params"], x["B"], busy[i], x["blocks"])
+        args = (x["params"], x["expert_params"], x["B"], busy[i], x["blocks"], x["tensors"])
         if args not in dp_times:
             dp_times[args] = data_parallel_seconds(
-                int(x["params"]), int(x["expert_params"]), lay, hw, x["B"], busy[i], bucket, int(x["blocks"])
+                int(x["params"]),
+                int(x["expert_params"]),
+                lay,
+                hw,
+                x["B"],
+                busy[i],
+                bucket,
+                int(x["blocks"]),
+                int(x["tensors"]),
             )
         if args[:2] not in opts:
             opts[args[:2]] = optimizer_seconds(int(x["params"]), int(x["expert_params"]), lay, hw)

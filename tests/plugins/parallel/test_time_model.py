@@ -73,8 +73,11 @@ def test_tensor_parallel_adds_its_all_reduces_and_halves_the_matmuls(registries,
     assert tp2.term("compute") == pytest.approx(one.term("compute") / 2)
     size = TOKENS * H * 4
     all_reduce = 2 * (size / 2 / 1e10)  # 2 (n-1) steps of size / n at 10 GB/s, n = 2
-    # per layer two forward and two backward; the embedding and the head one each way
-    assert tp2.term("tensor_parallel") == pytest.approx(M * (L * 4 + 2 * 2) * all_reduce)
+    # per layer two forward and two backward; the embedding's output forward, the head's input
+    # backward, and the vocabulary-parallel loss's two (each token's largest logit, then its sum of
+    # exponentials and target logit, in float32)
+    loss = (TOKENS * 4 + 2 * TOKENS * 4) / 1e10
+    assert tp2.term("tensor_parallel") == pytest.approx(M * ((L * 4 + 2) * all_reduce + loss))
     rs = predict(registries, tmp_path, {"tp": 2, "tp_mode": "REDUCE_SCATTER"})
     assert rs.term("tensor_parallel") == pytest.approx(tp2.term("tensor_parallel"))  # same bytes, other collectives
     overlapped = predict(
@@ -124,19 +127,36 @@ def test_context_parallel_modes_cost_their_own_exchanges(registries, tmp_path):
     ring = predict(registries, tmp_path, {"context_parallel_size": 2})
     a2a = predict(registries, tmp_path, {"context_parallel_size": 2, "context_parallel_mode": "all_to_all"})
     assert ring.term("compute") == pytest.approx(a2a.term("compute"))
-    # all_to_all: queries, keys + values, output, forward and backward, per layer: (n-1) steps of size / n
+    # all_to_all: queries, keys, values, output, forward and backward, per layer: (n-1) steps of size / n,
+    # and three copies (a read and a write each) of every swapped tensor at the memory bandwidth
     q, kv = TOKENS / 2 * H * 4, TOKENS / 2 * 2 * 16 * 4
-    swap = sum(x / 2 / 1e10 for x in (q, kv, q))
-    assert a2a.term("context_parallel") == pytest.approx(M * L * 2 * swap)
-    # ring: one key/value block sent forward, it and its gradient backward, less the attention they hide behind
+    swap = sum(x / 2 / 1e10 for x in (q, kv / 2, kv / 2, q))
+    copies = 3 * 2 * (q + kv + q) / 1e11
+    assert a2a.term("context_parallel") == pytest.approx(M * L * 2 * (swap + copies))
+    # ring: one key/value block sent forward; backward it again and the two blocks' float32 gradients
+    # (one hop each: the last reaches the owner), less the attention they hide behind
     attention = 4 * H * SEQ * (TOKENS / 2) * 0.5 / PEAK
-    exposed = max(0.0, kv / 1e10 - attention) + max(0.0, 2 * kv / 1e10 - 2 * attention)
-    assert ring.term("context_parallel") == pytest.approx(M * L * exposed) and exposed > 0
+    exposed = max(0.0, kv / 1e10 - attention) + max(0.0, 3 * kv / 1e10 - 2 * attention)
+    # and each ring step's float32 scores written out: 4 heads x (T/2)^2 on the diagonal, half that off
+    # it, read or written 10 times forward and 18 backward at the memory bandwidth
+    scores = 4 * (TOKENS / 2) ** 2 * 1.5 * 4
+    assert ring.term("context_parallel") == pytest.approx(M * L * (exposed + 28 * scores / 1e11)) and exposed > 0
     # where compute does not hide a collective (calibrate's compute_overlap 0: gloo on a CPU's shared
     # cores), the whole exchange is exposed
     shared = attrs.evolve(HW, compute_overlap=0.0)
     ring0 = predict(registries, tmp_path, {"context_parallel_size": 2}, hw=shared)
-    assert ring0.term("context_parallel") == pytest.approx(M * L * 3 * kv / 1e10)
+    assert ring0.term("context_parallel") == pytest.approx(M * L * (4 * kv / 1e10 + 28 * scores / 1e11))
+
+
+def test_zero3_pays_one_all_gather_per_parameter_tensor_in_every_pass(registries, tmp_path):
+    """ZeRO-3 gathers each parameter by itself, before each block's forward and again before its
+    backward: where each collective costs its latency (gloo on a CPU: about a millisecond after
+    compute), the count is the cost, not the bytes."""
+    latency = attrs.evolve(HW, intra_node=Link(1e30, 1e-3), compute_overlap=0.0)
+    zero3 = predict(registries, tmp_path, {"dp": 2}, hw=latency, optimizer={"zero_stage": 3})
+    tensors = 1 + L * 9 + 1 + 1  # embedding; q, k, v, o, gate, up, down and two norms per layer; norm; head
+    reduce_scatter = 1e-3  # the gradients' one bucket: one step
+    assert zero3.term("data_parallel") == pytest.approx(reduce_scatter + 2 * M * tensors * 1e-3)
 
 
 def test_compute_overlap_decides_how_much_data_parallel_traffic_backward_hides(registries, tmp_path):

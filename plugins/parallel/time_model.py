@@ -25,8 +25,9 @@ model built on the meta device with the layout's TP (the same parameters the eng
   loss's two small all-reduces forward;
 - context_parallel (`context_parallel_seconds`): ring: (cp - 1) key/value blocks sent per layer
   forward, again backward with their float32 gradients one hop more, overlapped with attention (only
-  what exceeds it shows), and each ring step's float32 score block written out and read back
-  (`RING_SCORE_PASSES`) at the memory bandwidth; all_to_all: queries, keys, values and the output
+  what exceeds it shows), each ring step's float32 score block written out and read back
+  (`RING_SCORE_PASSES`) at the memory bandwidth, and its attention as matmuls per block (beyond the
+  compute term's fused causal attention); all_to_all: queries, keys, values and the output
   swapped forward and backward (not overlapped), each copied three times around its swap;
 - expert_parallel (`expert_parallel_seconds`): per MoE layer a dispatch and a combine all-to-all of
   T / sp x k tokens' hidden vectors forward and backward, x the expert-load factor;
@@ -470,7 +471,15 @@ def context_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hard
         hw.memory_bound_seconds(0, RING_SCORE_PASSES[0] * scores),
         hw.memory_bound_seconds(0, RING_SCORE_PASSES[1] * scores),
     )
-    return passes[0] + max(0.0, forward - hiding), passes[1] + max(0.0, backward - 2 * hiding)
+    # and its attention is plain matmuls block by block, not a fused kernel: two per block forward
+    # (scores, output), five backward (scores again, the value, score, query and key gradients), at
+    # a block's size (the diagonal block whole, masked; each other one half of it); what exceeds
+    # the compute term's causal attention (forward once, backward twice) is the ring's
+    block = 2 * inv.attention_query / lay.tp * lay.tokens**2  # FLOPs of one matmul of the diagonal block
+    blocks = hw.matmul_seconds(block, lay.dtype) + (lay.cp - 1) * hw.matmul_seconds(block / 2, lay.dtype)
+    extra = max(0.0, 2 * blocks - attention), max(0.0, 5 * blocks - 2 * attention)
+    exchange = max(0.0, forward - hiding), max(0.0, backward - 2 * hiding)
+    return passes[0] + extra[0] + exchange[0], passes[1] + extra[1] + exchange[1]
 
 
 def expert_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -> tuple[float, float]:

@@ -44,3 +44,35 @@ def test_plan_vs_measured_runs_each_layout_and_predicts_it(tmp_path):
     assert summary["layouts"] == 4 and -1 <= summary["spearman"] <= 1
     assert 0 < summary["first_choice_over_fastest"] <= 1
     assert "Spearman" in result.stdout
+
+
+@pytest.mark.slow
+def test_after_calibrate_the_model_predicts_a_few_measured_layouts(tmp_path):
+    """Issue 24's check in small: `nanocore calibrate` on this machine, then three layouts whose steps
+    differ in what they pay (gradients once per step; a collective at every layer's edge; a gather
+    per parameter tensor per pass) trained and predicted. The benchmark holds each within 25 % on a
+    quiet machine; here, beside whatever else runs, within a factor of 2, and the layout measured
+    fastest is the one the model ranks first. The model before calibrate timed collectives as a step
+    pays them (it took the best of a tight loop, and one gather per block) predicted ZeRO-3 at 0.42-0.53
+    of its measured step, and tp2 at 0.43-0.58: it fails this."""
+    hw = tmp_path / "here.yaml"
+    calibrate = [sys.executable, "-m", "nanocore", "calibrate", "--world-size", "2", "--threads", "1"]
+    done = subprocess.run([*calibrate, "--seconds", "0.01", "--output", str(hw)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "r.json"
+    layouts = "dp2_zero1,tp2_reduce_scatter,dp2_zero3"
+    args = ["--layouts", layouts, "--hardware", str(hw), "--samples", "4", "--seq", "128", "--hidden", "128"]
+    args += ["--layers", "2", "--heads", "4", "--vocab", "512", "--steps", "2", "--rounds", "1", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    ratios = {r["layout"]: r["predicted_over_measured"] for r in data["rows"]}
+    assert all(0.5 <= x <= 2.0 for x in ratios.values()), (ratios, result.stdout[-2000:])
+    assert data["summary"]["first_choice"] == data["summary"]["fastest_measured"], result.stdout[-2000:]

@@ -64,6 +64,7 @@ GPU_SQUARE = (256, 512, 1024, 2048, 4096, 8192)
 MESSAGE_BYTES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
 GPU_MESSAGE_BYTES = tuple(2**k for k in range(14, 29, 2))  # 16 KiB .. 256 MiB
 CHAIN = 200  # elementwise ops in the op-overhead probe
+IN_STEP_ROUNDS = 3  # rounds of each collective's in-step timing (`_in_step`): their median counts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,9 +101,11 @@ def _in_step(
 ) -> float:
     """Mean seconds `fn` (a collective) adds when it follows `compute`, as a training step runs them:
     (compute + fn) over an agreed number of calls, then compute alone as often, less it. A mean,
-    not a best: a step pays every call's wait. Every rank must make the same number of calls (a rank
-    that stopped early would wait in its next collective while the others wait in this one), so the
-    count is agreed first: the largest any rank needs for `seconds` (30 to 400)."""
+    not a best: a step pays every call's wait. Three such rounds, and their median: a burst of
+    something else on the machine during one round (a 4 KiB all-to-all measured 0.2 ms in one round
+    and 1.5-2 ms in the others) does not set the figure. Every rank must make the same number of calls
+    (a rank that stopped early would wait in its next collective while the others wait in this one),
+    so the count is agreed first: the largest any rank needs for `seconds` (30 to 400)."""
     import torch
     import torch.distributed as dist
 
@@ -132,9 +135,8 @@ def _in_step(
         compute()
         fn()
 
-    together = mean(both)
-    alone = mean(compute)
-    return max(together - alone, 1e-7)
+    rounds = sorted(mean(both) - mean(compute) for _ in range(IN_STEP_ROUNDS))
+    return max(rounds[len(rounds) // 2], 1e-7)
 
 
 def _best_of(fn: Callable[[], object], calls: int, sync: Callable[[], None], barrier: bool = False) -> float:

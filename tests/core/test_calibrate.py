@@ -115,5 +115,5 @@ def test_timing_a_collective_makes_every_rank_call_it_equally_often():
     from tests.helpers.distributed import run_ranks
 
     (calls0, took0), (calls1, took1) = run_ranks(2, _timed_all_reduce, timeout=60)
-    assert calls0 == calls1 >= 33  # three untimed calls, then the agreed count (at least 30)
+    assert calls0 == calls1 >= 93  # three untimed calls, then the agreed count (at least 30) in 3 rounds
     assert took0 > 0 and took1 > 0

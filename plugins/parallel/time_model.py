@@ -30,7 +30,8 @@ model built on the meta device with the layout's TP (the same parameters the eng
   compute term's fused causal attention); all_to_all: queries, keys, values and the output
   swapped forward and backward (not overlapped), each copied three times around its swap;
 - expert_parallel (`expert_parallel_seconds`): per MoE layer a dispatch and a combine all-to-all of
-  T / sp x k tokens' hidden vectors forward and backward, x the expert-load factor;
+  T / sp x k tokens' hidden vectors forward and backward, x the expert-load factor, the token counts'
+  all-to-all before the forward's dispatch, and the arrived rows regrouped by expert and back;
 - pipeline_p2p (`pipeline_p2p_seconds`): one activation message per forward and one gradient per
   backward between stages;
 - pipeline_bubble: the pipeline simulator runs the schedule with each rank's forward, backward and
@@ -249,12 +250,46 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+CPU_TRACE_BYTES = 256 * 2**20  # a block the meta device cannot run is run on the CPU up to this size
+
+
+def _trace_on_cpu(model: nn.Module, block: list[str], x: torch.Tensor, counter: _Counter) -> MemoryBound | None:
+    """Count a block the meta device cannot run (a mixture-of-experts layer sorts its tokens by the
+    experts their values choose) by running it on the CPU, its parameters made real and random: the
+    ops and elements per token do not depend on which experts win. None where its parameters exceed
+    CPU_TRACE_BYTES (then the caller estimates)."""
+    modules = [model.get_submodule(name) for name in block]
+    size = sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
+    if size > CPU_TRACE_BYTES:
+        return None
+    counter.paused += 1  # making the block real is not its work
+    try:
+        generator = torch.Generator().manual_seed(0)
+        for m in modules:
+            m.to_empty(device="cpu")
+            for t in [*m.parameters(), *m.buffers()]:
+                if t.is_floating_point():
+                    t.copy_(torch.randn(t.shape, generator=generator) * 0.02)
+            counter.params |= {id(t) for t in m.parameters()}
+        y = torch.randn(x.shape, generator=generator) if x.is_floating_point() else torch.zeros_like(x, device="cpu")
+    finally:
+        counter.paused -= 1
+    counter.ops, counter.stream, counter.inner = 0, 0.0, 0.0
+    try:
+        for m in modules:
+            y = m(y)
+    except Exception:  # noqa: BLE001 - estimate, do not fail
+        return None
+    return MemoryBound(counter.ops, counter.stream / TRACE_TOKENS, counter.inner / TRACE_TOKENS)
+
+
 def trace_memory_bound(config: Config, registries: Registries) -> tuple[MemoryBound, ...]:
     """Each pipeline block's non-matmul work per forward, counted by running the whole model's blocks in
     turn on the meta device (1 x TRACE_TOKENS tokens, no grad) under `_Counter`; the attention core (the
     model's `selective_recompute_modules`) is one op whose work the attention term costs, and the last
     block adds the loss's cross-entropy. A block the meta device cannot run (data-dependent routing)
-    takes the previous decoder layer's counts. Remembered per model config."""
+    runs on the CPU where it is small enough (`_trace_on_cpu`), else takes the previous decoder
+    layer's counts. Remembered per model config."""
     key = model_key(config.model)
     if key in _TRACES:
         return _TRACES[key]
@@ -293,8 +328,12 @@ def trace_memory_bound(config: Config, registries: Registries) -> tuple[MemoryBo
                     x = y
                     out.append(MemoryBound(counter.ops, counter.stream / TRACE_TOKENS, counter.inner / TRACE_TOKENS))
                 except Exception:  # noqa: BLE001 - e.g. routing that reads token counts; estimate, do not fail
-                    layers = [m for m, b in zip(out, blocks, strict=False) if len(b) == 1 and ".layers." in f".{b[0]}"]
-                    out.append(layers[-1] if layers else NO_MEMORY_BOUND)
+                    traced = _trace_on_cpu(model, block, x, counter)
+                    if traced is None:
+                        pairs = zip(out, blocks, strict=False)
+                        layers = [m for m, b in pairs if len(b) == 1 and ".layers." in f".{b[0]}"]
+                        traced = layers[-1] if layers else NO_MEMORY_BOUND
+                    out.append(traced)
     finally:
         for h in handles:
             h.remove()
@@ -489,7 +528,12 @@ def expert_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardw
     tokens = lay.tokens / (lay.tp if lay.sequence_parallel else 1) * inv.top_k * lay.load
     size = tokens * inv.hidden * lay.dtype_bytes
     two = 2 * hw.collective_seconds("all_to_all", size, lay.ep, lay.tp)
-    return two, two
+    # the dispatch first swaps each expert's token count (int64), and the rows that arrive are
+    # regrouped by expert and back (a read and a write each way)
+    experts = max((mm.experts for mm in block.matmuls), default=1)
+    counts = hw.collective_seconds("all_to_all", experts * 8, lay.ep, lay.tp)
+    reorder = hw.memory_bound_seconds(0, 2 * 2 * size)
+    return two + counts + reorder, two + reorder
 
 
 def pipeline_p2p_seconds(inv: Inventory, lay: Layout, hw: Hardware) -> float:

@@ -16,24 +16,29 @@ from nanocore.hardware import Hardware, Link, hardware_to_yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_plan_vs_measured_runs_each_layout_and_predicts_it(tmp_path):
-    hw = tmp_path / "hw.yaml"
-    hw.write_text(hardware_to_yaml(Hardware("box", "test", {"float32": 1e10}, 2**33, 2, Link(1e9, 1e-4),
-                                            Link(1e9, 1e-4), memory_bandwidth=1e10)))  # fmt: skip
+def _benchmark(tmp_path: Path, args: list[str]) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run benchmarks/plan_vs_measured.py for one round with `args`; its output and its --json file."""
     out = tmp_path / "r.json"
-    layouts = "dp2_zero1,tp2_reduce_scatter,pp2_zb1p,cp2_all_to_all"
-    args = ["--layouts", layouts, "--hardware", str(hw), "--samples", "4", "--seq", "32", "--hidden", "32"]
-    args += ["--layers", "2", "--heads", "4", "--vocab", "64", "--steps", "1", "--rounds", "1", "--json", str(out)]
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), *args],
+        [sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), *args, "--rounds", "1", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=900,
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads(out.read_text())
+    return result, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_plan_vs_measured_runs_each_layout_and_predicts_it(tmp_path):
+    hw = tmp_path / "hw.yaml"
+    hw.write_text(hardware_to_yaml(Hardware("box", "test", {"float32": 1e10}, 2**33, 2, Link(1e9, 1e-4),
+                                            Link(1e9, 1e-4), memory_bandwidth=1e10)))  # fmt: skip
+    layouts = "dp2_zero1,tp2_reduce_scatter,pp2_zb1p,cp2_all_to_all"
+    args = ["--layouts", layouts, "--hardware", str(hw), "--samples", "4", "--seq", "32", "--hidden", "32"]
+    args += ["--layers", "2", "--heads", "4", "--vocab", "64", "--steps", "1"]
+    result, data = _benchmark(tmp_path, args)
     rows = data["rows"]
     assert [r["layout"] for r in rows] == layouts.split(",")
     for row in rows:
@@ -60,19 +65,10 @@ def test_after_calibrate_the_model_predicts_a_few_measured_layouts(tmp_path):
     done = subprocess.run([*calibrate, "--seconds", "0.01", "--output", str(hw)], capture_output=True, text=True,
                           timeout=600, cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    out = tmp_path / "r.json"
     layouts = "dp2_zero1,tp2_reduce_scatter,dp2_zero3"
     args = ["--layouts", layouts, "--hardware", str(hw), "--samples", "4", "--seq", "128", "--hidden", "128"]
-    args += ["--layers", "2", "--heads", "4", "--vocab", "512", "--steps", "2", "--rounds", "1", "--json", str(out)]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads(out.read_text())
+    args += ["--layers", "2", "--heads", "4", "--vocab", "512", "--steps", "2"]
+    result, data = _benchmark(tmp_path, args)
     ratios = {r["layout"]: r["predicted_over_measured"] for r in data["rows"]}
     assert all(0.5 <= x <= 2.0 for x in ratios.values()), (ratios, result.stdout[-2000:])
     assert data["summary"]["first_choice"] == data["summary"]["fastest_measured"], result.stdout[-2000:]

@@ -122,6 +122,7 @@ class SearchResult:
     rejected: list[tuple[str, int]]  # the config checks' first messages and how many layouts each rejected
     config_layout: Ranked | None  # the config's own layout, as predicted (and planned)
     complete: bool = True  # False: the time budget ran out before every layout was enumerated
+    dominated: int = 0  # layouts not planned: one needing no more memory did not fit (`_needs_more`)
 
 
 def _divisors(n: int) -> list[int]:
@@ -217,6 +218,21 @@ def _plan(config: Config, registries: Registries, device: str, expert_load_facto
     return plan
 
 
+def _needs_more(lay: Layout, misfit: Layout) -> bool:
+    """Whether `lay` needs at least the memory of `misfit`, a layout that did not fit: the same but
+    for a micro-batch at least as large and recompute that keeps at least as much (off > selective >
+    full). Activations grow with the micro-batch (a pipeline keeps min(in-flight, accumulation) of
+    them: micro_batch x that never shrinks as the micro-batch grows) and shrink with recompute. Not
+    the ZeRO stage: a higher one adds gather and reduce buffers, which on a small model outweigh what
+    it shards (the planner puts a tiny LLaMA's ZeRO-3 above its ZeRO-1)."""
+    same = attrs.evolve(lay, micro_batch_size=0, accumulation=0, recompute=None)
+    return (
+        same == attrs.evolve(misfit, micro_batch_size=0, accumulation=0, recompute=None)
+        and lay.micro_batch_size >= misfit.micro_batch_size
+        and RECOMPUTE.index(lay.recompute) <= RECOMPUTE.index(misfit.recompute)
+    )
+
+
 def _rank_key(r: Ranked) -> tuple[float, int, int, int, int, int, int, int]:
     """Fastest first; among equally fast layouts, the simpler one (less sharding, fewer axes, no
     recompute, fewer micro-batches)."""
@@ -276,11 +292,17 @@ def search(
     predicted.sort(key=_rank_key)
     best: list[Ranked] = []
     misfits: list[Ranked] = []
-    planned = 0
+    planned = dominated = 0
+    too_big: dict[tuple[object, ...], list[Layout]] = {}  # misfits by what `_needs_more` compares
     for ranked in predicted:
         if len(best) >= top:
             break
-        plan = _plan(ranked.layout.apply(config), registries, device, expert_load_factor)
+        lay = ranked.layout
+        family = attrs.astuple(attrs.evolve(lay, micro_batch_size=0, accumulation=0, recompute=None))
+        if any(_needs_more(lay, m) for m in too_big.get(family, ())):
+            dominated += 1  # needs at least what a layout that did not fit needs
+            continue
+        plan = _plan(lay.apply(config), registries, device, expert_load_factor)
         planned += 1
         largest = plan.largest()
         fits = largest.total_bytes <= device_bytes
@@ -292,8 +314,10 @@ def search(
         )
         if fits:
             best.append(done)
-        elif not best and len(misfits) < 3:
-            misfits.append(done)
+        else:
+            too_big.setdefault(family, []).append(lay)
+            if not best and len(misfits) < 3:
+                misfits.append(done)
         if progress is not None and time.monotonic() - last > 5:
             last = time.monotonic()
             progress(f"search: {planned} of the fastest layouts planned, {len(best)} fit")
@@ -310,4 +334,5 @@ def search(
         rejected=rejected.most_common(),
         config_layout=None,
         complete=complete,
+        dominated=dominated,
     )

@@ -205,7 +205,9 @@ def cmd_search(args: argparse.Namespace) -> int:
     print(
         f"{result.enumerated} layouts of {args.config} on {result.world_size} x {result.hardware} "
         f"({gib(result.device_memory_bytes)} GiB): {result.passed_checks} pass the config checks and are predicted, "
-        f"the {result.planned} fastest planned; {result.seconds:.1f} s"
+        f"the {result.planned} fastest planned"
+        + (f" ({result.dominated} more skipped: they need at least a misfit's memory)" if result.dominated else "")
+        + f"; {result.seconds:.1f} s"
     )
     if result.best:
         print(f"{'':>2} {'tokens/s/dev':>12} {'MFU':>6} {'step s':>8} {'GiB':>6}  {'dominant':<16} layout")

@@ -90,6 +90,28 @@ def test_a_faster_layout_that_does_not_fit_says_which_term_overflows(tmp_path, r
         assert "GiB of" in misfit.overflow and "the largest term" in misfit.overflow
 
 
+def test_layouts_that_need_at_least_a_misfits_memory_are_not_planned_and_the_answer_is_the_same(
+    tmp_path, registries, monkeypatch
+):
+    """A 70B search planned 1,300 layouts one by one, almost all of them larger micro-batches or less
+    recompute or sharding of a layout already over the memory: those are skipped unplanned, and the
+    layouts that fit come out as planning every one finds them."""
+    import nanocore.plan_search as plan_search
+
+    config = config_of(tmp_path, registries)
+    roomy = search(config, registries, 4, HW, HW.memory_bytes, device="cpu", top=40)
+    sizes = sorted({r.memory_bytes for r in roomy.best})
+    tight = sizes[0]  # the leanest of them: most layouts above it are misfits
+    skipping = search(config, registries, 4, HW, tight, device="cpu", top=10)
+    for row in skipping.best:  # every layout that fits is planned, none skipped
+        assert row.fits and row.memory_bytes <= tight
+    assert skipping.dominated > 0
+    monkeypatch.setattr(plan_search, "_needs_more", lambda lay, misfit: False)
+    every = search(config, registries, 4, HW, tight, device="cpu", top=10)
+    assert every.dominated == 0 and every.planned > skipping.planned
+    assert [r.layout for r in every.best] == [r.layout for r in skipping.best]
+
+
 def test_plan_search_command_prints_the_table_and_json(tmp_path):
     config = tmp_path / "c.yaml"
     raw = tiny_config(tmp_path)

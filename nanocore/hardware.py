@@ -51,7 +51,7 @@ class Link:
     """One kind of connection between devices: bus bandwidth (bytes/s per device, one direction) and
     the latency of one message step (seconds); `collectives`: kinds (COLLECTIVES) measured on their
     own, each with its own two figures in the same formula (a backend's all-gather need not run at
-    its all-reduce's rate: gloo's on CPU takes twice as long per byte)."""
+    its all-reduce's rate: gloo's on CPU moves a byte at about a third of it)."""
 
     bandwidth: float
     latency: float

@@ -9,15 +9,16 @@ once as in training, measures:
   the slowest rank's (synchronous training waits for it);
 - all-reduce time over message sizes *as a step pays it*: each all-reduce follows a matmul of about
   a layer's size, and its cost is the mean time of (matmul + all-reduce) less the mean time of the
-  matmul alone. Latency and bus bandwidth are fitted to the ring formula, t(S) = 2 (n-1) (latency +
-  S / n / bandwidth), over all sizes (least relative error). Not the best of a tight loop: on a CPU
+  matmul alone, the median of 3 alternated rounds. Latency and bus bandwidth are fitted to the ring
+  formula, t(S) = 2 (n-1) (latency + S / n / bandwidth), over all sizes (least relative error). Not
+  the best of a tight loop: on a CPU
   with gloo, a 4 KiB all-reduce's best is 0.5 ms, its mean in a tight loop 1.5-3 ms and after a
   matmul 3-4 ms (its threads wake after the compute, and the ranks drift apart), and a step of a
   tensor-parallel layout pays that on each of its hundreds of collectives;
 - the same for reduce-scatter, all-gather, all-to-all and a ring exchange of point-to-point messages
   (send to the next rank, receive from the previous: context parallelism's and the pipeline's
   pattern), each fitted on its own (`intra_node.collectives`): gloo's all-gather and reduce-scatter
-  take twice an all-reduce's time per byte, its all-to-all and messages a third of its latency;
+  move a byte at about a third of its all-reduce's rate;
 - a large elementwise op into a fresh buffer for the memory bandwidth, and the device memory (on CPU:
   the RAM over N);
 - how much compute hides a collective running beside it (`compute_overlap`): a 4 MiB all-reduce and

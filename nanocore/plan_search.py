@@ -218,18 +218,20 @@ def _plan(config: Config, registries: Registries, device: str, expert_load_facto
     return plan
 
 
+def _memory_family(lay: Layout) -> Layout:
+    """`lay` but for what `_needs_more` orders: micro-batch, accumulation and recompute."""
+    return attrs.evolve(lay, micro_batch_size=0, accumulation=0, recompute=None)
+
+
 def _needs_more(lay: Layout, misfit: Layout) -> bool:
-    """Whether `lay` needs at least the memory of `misfit`, a layout that did not fit: the same but
-    for a micro-batch at least as large and recompute that keeps at least as much (off > selective >
-    full). Activations grow with the micro-batch (a pipeline keeps min(in-flight, accumulation) of
-    them: micro_batch x that never shrinks as the micro-batch grows) and shrink with recompute. Not
-    the ZeRO stage: a higher one adds gather and reduce buffers, which on a small model outweigh what
-    it shards (the planner puts a tiny LLaMA's ZeRO-3 above its ZeRO-1)."""
-    same = attrs.evolve(lay, micro_batch_size=0, accumulation=0, recompute=None)
-    return (
-        same == attrs.evolve(misfit, micro_batch_size=0, accumulation=0, recompute=None)
-        and lay.micro_batch_size >= misfit.micro_batch_size
-        and RECOMPUTE.index(lay.recompute) <= RECOMPUTE.index(misfit.recompute)
+    """Whether `lay` needs at least the memory of `misfit`, a layout of its `_memory_family` that did
+    not fit: a micro-batch at least as large and recompute that keeps at least as much (off >
+    selective > full). Activations grow with the micro-batch (a pipeline keeps min(in-flight,
+    accumulation) of them: micro_batch x that never shrinks as the micro-batch grows) and shrink with
+    recompute. Not the ZeRO stage: a higher one adds gather and reduce buffers, which on a small model
+    outweigh what it shards (the planner puts a tiny LLaMA's ZeRO-3 above its ZeRO-1)."""
+    return lay.micro_batch_size >= misfit.micro_batch_size and RECOMPUTE.index(lay.recompute) <= RECOMPUTE.index(
+        misfit.recompute
     )
 
 
@@ -293,12 +295,12 @@ def search(
     best: list[Ranked] = []
     misfits: list[Ranked] = []
     planned = dominated = 0
-    too_big: dict[tuple[object, ...], list[Layout]] = {}  # misfits by what `_needs_more` compares
+    too_big: dict[Layout, list[Layout]] = {}  # the misfits of each `_memory_family`
     for ranked in predicted:
         if len(best) >= top:
             break
         lay = ranked.layout
-        family = attrs.astuple(attrs.evolve(lay, micro_batch_size=0, accumulation=0, recompute=None))
+        family = _memory_family(lay)
         if any(_needs_more(lay, m) for m in too_big.get(family, ())):
             dominated += 1  # needs at least what a layout that did not fit needs
             continue

@@ -514,8 +514,8 @@ def context_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hard
     # (scores, output), five backward (scores again, the value, score, query and key gradients), at
     # a block's size (the diagonal block whole, masked; each other one half of it); what exceeds
     # the compute term's causal attention (forward once, backward twice) is the ring's
-    block = 2 * inv.attention_query / lay.tp * lay.tokens**2  # FLOPs of one matmul of the diagonal block
-    blocks = hw.matmul_seconds(block, lay.dtype) + (lay.cp - 1) * hw.matmul_seconds(block / 2, lay.dtype)
+    diagonal = 2 * inv.attention_query / lay.tp * lay.tokens**2  # FLOPs of one matmul of the diagonal block
+    blocks = hw.matmul_seconds(diagonal, lay.dtype) + (lay.cp - 1) * hw.matmul_seconds(diagonal / 2, lay.dtype)
     extra = max(0.0, 2 * blocks - attention), max(0.0, 5 * blocks - 2 * attention)
     exchange = max(0.0, forward - hiding), max(0.0, backward - 2 * hiding)
     return passes[0] + extra[0] + exchange[0], passes[1] + extra[1] + exchange[1]

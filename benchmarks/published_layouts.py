@@ -22,17 +22,32 @@ assumed here (the table does not give it either):
   parallelism without sequence parallelism (ALL_REDUCE: 2021's Megatron), bfloat16 (the paper ran
   fp16 at the same peak).
 
-The same for torchtitan's published H100 runs (pytorch/torchtitan,
-benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and 3: Llama 3.1 8B with FSDP, local batch
-2, selective activation checkpointing, no torch.compile, no Float8; 5,762 tokens/s per GPU on 8 GPUs
-and 5,605 on 128). Assumed: sequence 8192 (torchtitan's Llama 3 8B training config; the table does
-not say), FSDP as ZeRO-3, nanocore's selective recompute (the attention core) for torchtitan's. The
-file notes its H100s were 96 GB HBM2e parts at a 500 W limit, slower than the SXM datasheet figures
-of the shipped `h100-sxm` description.
+The same for published H100 runs, in two groups:
+
+- torchtitan's (pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md tables 1 and 3, and
+  benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md): Llama 3.1 8B and 70B in bfloat16 with FSDP
+  (as ZeRO-3), and with TP 8 (sequence parallel, plain and async); the Float8 rows are left out (the
+  time model has no FP8 term). Both files ran on Meta's Grand Teton H100s: 96 GB HBM2e at 2.4 TB/s,
+  a 500 W power limit, 400 Gb/s per GPU between hosts; the first file says their peak lies between
+  the SXM and NVL parts and is not known. Assumed: sequence 8192 (torchtitan's Llama 3 training
+  configs; 5,762 tokens/s at 8192 is the 33 % MFU the file quotes), nanocore's selective recompute
+  (the attention core) for torchtitan's per-op SAC. torch.compile is not modelled: the compiled rows
+  are predicted as eager ones. Each row is predicted on the shipped `h100-sxm`; then on that
+  description with the files' memory (96 GB, 2.4 TB/s) and its bfloat16 peak set so that the first
+  row is predicted exactly (the one figure taken from these runs: the rate these GPUs sustain); the
+  other rows are then predicted with nothing more taken from them.
+- Meta's Llama 3 405B pre-training (Grattafiori et al., "The Llama 3 Herd of Models", arXiv
+  2407.21783, section 3.3 and Table 4): 700 W H100 SXM, 80 GB HBM3, 8 per Grand Teton host, 400 Gb/s
+  per GPU; TP 8, PP 16, DP 64 or 128, 16M tokens per batch at sequence 8192; 430 and 400 teraFLOP/s
+  per GPU (43 % and 41 % BF16 MFU). Predicted on the shipped `h100-sxm`, nothing fitted. Assumed:
+  micro-batch 1, nanocore's interleaved schedule with 2 chunks per stage, ZeRO-1 (the paper's FSDP
+  keeps the parameters gathered after the forward), sequence-parallel TP, no recompute. Compared as
+  MFU (the paper's teraFLOP/s over 989.4), since the paper does not give its FLOP count.
 
     python benchmarks/published_layouts.py                   # every row, predicted (about a minute)
     python benchmarks/published_layouts.py --search 1.7,18.4  # also rank each named row's layout in plan --search
     python benchmarks/published_layouts.py --json out.json
+    python benchmarks/published_layouts.py --rows none --search-titan  # the H100 runs only; rank torchtitan's first
 
 Printed per row: the published and predicted teraFLOP/s per GPU (the paper's FLOP count over the
 step), the ratio, the predicted MFU and the dominant term. Issue 24's goal: each within 20 %.
@@ -63,8 +78,22 @@ TABLE_1 = (
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 )
-# torchtitan's Llama 3.1 8B FSDP runs on H100: (GPUs, local batch size, tokens/s per GPU)
-TORCHTITAN_8B = ((8, 2, 5762), (128, 2, 5605))
+# Llama 3.1 widths: (hidden, intermediate, heads, key/value heads, layers)
+LLAMA3 = {"8b": (4096, 14336, 32, 8, 32), "70b": (8192, 28672, 64, 8, 80), "405b": (16384, 53248, 128, 8, 126)}
+# torchtitan's bfloat16 H100 runs: (run, model, GPUs, tp, local batch, recompute, async TP, torch.compile,
+# tokens/s per GPU, where). H: benchmarks/llama3_h100_202412_torchtitan.md; A: asyncTP_llama3_h100_2025-06
+TORCHTITAN = (
+    ("8B FSDP 8", "8b", 8, 1, 2, "selective", False, False, 5762, "H table 1"),
+    ("8B FSDP 128", "8b", 128, 1, 2, "selective", False, False, 5605, "H table 3"),
+    ("8B FSDP 8 x TP 8, compiled", "8b", 64, 8, 12, "selective", False, True, 4378, "A, 8B"),
+    ("8B FSDP 8 x async TP 8, compiled", "8b", 64, 8, 12, "selective", True, True, 4809.4, "A, 8B"),
+    ("70B FSDP 32 x TP 8, compiled", "70b", 256, 8, 16, "full", False, True, 597.3, "A, 70B"),
+    ("70B FSDP 32 x async TP 8, compiled", "70b", 256, 8, 16, "full", True, True, 652.4, "A, 70B"),
+)
+GRAND_TETON_MEMORY = (96e9, 2.4e12)  # torchtitan's files: 96 GB HBM2e at 2.4 TB/s per GPU
+# Llama 3 405B, arXiv 2407.21783 Table 4: (GPUs, tp, pp, dp, sequences per batch, teraFLOP/s per GPU)
+LLAMA3_405B = ((8192, 8, 16, 64, 2048, 430), (16384, 8, 16, 128, 2048, 400))
+H100_BF16_PEAK = 989.4e12
 VOCAB = 51200
 SEQUENCE = 2048
 
@@ -126,7 +155,7 @@ def config_for(row: tuple, micro_batch: int = 1) -> dict:
     }
 
 
-def predict(data: dict, path: Path, gpus: int, hardware: str):  # -> nanocore TimePrediction
+def predict(data: dict, path: Path, gpus: int, hardware):  # hardware: a name or a Hardware -> TimePrediction
     """`nanocore plan --hardware`'s prediction of the config `data`, written to `path` first (so that a
     search can read it again)."""
     from nanocore.config.load import load_config
@@ -135,7 +164,8 @@ def predict(data: dict, path: Path, gpus: int, hardware: str):  # -> nanocore Ti
 
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     loaded = load_config(path, world_size=gpus)
-    prediction = predict_for(loaded.config, loaded.plugins.registries, load_hardware(hardware), "cuda", 1.0)
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    prediction = predict_for(loaded.config, loaded.plugins.registries, hw, "cuda", 1.0)
     assert prediction is not None
     return prediction
 
@@ -165,23 +195,138 @@ def predict_row(row: tuple, hardware: str, folder: Path) -> dict:
     }
 
 
-def predict_torchtitan(gpus: int, local_batch: int, published: float, folder: Path) -> dict:
-    root = Path(__file__).resolve().parents[1]
-    data = yaml.safe_load((root / "examples" / "config_llama3_8b.yaml").read_text())
-    data["parallelism"] = {"dp": gpus, "tp": 1, "pp": 1, "recompute_granularity": "selective"}
-    data["tokens"].update(sequence_length=8192, micro_batch_size=local_batch, batch_accumulation_per_replica=1)
-    data["optimizer"]["zero_stage"] = 3
-    data.pop("checkpoints", None)
-    data.pop("logging", None)
-    prediction = predict(data, folder / f"llama3_8b_fsdp{gpus}.yaml", gpus, "h100-sxm")
+def llama3_config(model: str, gpus: int, tp: int, pp: int, local_batch: int, accumulation: int) -> dict:
+    """A nanocore config of a Llama 3.1 model at sequence 8192 (dp = GPUs / tp / pp)."""
+    hidden, inter, heads, kv, layers = LLAMA3[model]
     return {
-        "run": f"Llama 3.1 8B, FSDP {gpus}, local batch {local_batch}",
+        "general": {"project": "published_h100", "run": f"llama3_{model}", "seed": 1},
+        "model": {
+            "dtype": "bfloat16",
+            "make_vocab_size_divisible_by": 128,
+            "init_method": {"std": 0.02},
+            "model_config": {
+                "model_type": "llama",
+                "hidden_size": hidden,
+                "intermediate_size": inter,
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv,
+                "num_hidden_layers": layers,
+                "vocab_size": 128256,
+                "max_position_embeddings": 8192,
+                "rope_theta": 500000.0,
+                "tie_word_embeddings": False,
+            },
+        },
+        "parallelism": {"dp": gpus // (tp * pp), "tp": tp, "pp": pp, "tp_mode": "REDUCE_SCATTER"},
+        "tokenizer": {"tokenizer_name_or_path": None},
+        "tokens": {
+            "sequence_length": 8192,
+            "micro_batch_size": local_batch,
+            "batch_accumulation_per_replica": accumulation,
+            "train_steps": 10,
+        },
+        "optimizer": {
+            "zero_stage": 3,
+            "learning_rate_scheduler": {"learning_rate": 1.0e-4},
+            "optimizer_factory": {"name": "adam_w"},
+        },
+        "data_stages": [{"name": "stable", "start_training_step": 1, "data": {"dataset": None}}],
+    }
+
+
+def torchtitan_config(row: tuple) -> dict:
+    _, model, gpus, tp, local, recompute, async_tp, compiled, _, _ = row
+    data = llama3_config(model, gpus, tp, 1, local, 1)
+    data["parallelism"].update(recompute_granularity=recompute, tp_linear_async_communication=async_tp)
+    data["model"]["compile"] = compiled
+    return data
+
+
+def predict_torchtitan(row: tuple, hardware, folder: Path) -> dict:  # hardware: a nanocore Hardware
+    run, model, gpus, tp, local, recompute, async_tp, compiled, published, where = row
+    path = folder / f"titan_{model}_{gpus}_tp{tp}{'_async' if async_tp else ''}.yaml"
+    prediction = predict(torchtitan_config(row), path, gpus, hardware)
+    return {
+        "run": run,
+        "source": where,
+        "gpus": gpus,
         "published_tokens_per_sec_per_gpu": published,
         "predicted_tokens_per_sec_per_gpu": prediction.tokens_per_sec_per_device,
         "ratio": prediction.tokens_per_sec_per_device / published,
+        "predicted_step_seconds": prediction.step_seconds,
         "predicted_mfu": prediction.mfu,
         "dominant": prediction.dominant,
         "terms": {t.name: t.seconds for t in prediction.terms},
+        "config": str(path),
+    }
+
+
+def grand_teton(first: tuple, folder: Path):  # -> (nanocore Hardware, its bfloat16 peak)
+    """`h100-sxm` with torchtitan's GPUs' memory (96 GB HBM2e, 2.4 TB/s) and the bfloat16 peak at
+    which `first` (a TORCHTITAN row) is predicted at its published speed: the one figure taken from
+    these runs (a few fixed-point rounds; communication does not scale with the peak)."""
+    import attrs
+
+    from nanocore.hardware import load_hardware
+
+    base = load_hardware("h100-sxm")
+    memory, bandwidth = GRAND_TETON_MEMORY
+    peak = base.peak_flops["bfloat16"]
+    for _ in range(6):
+        hw = attrs.evolve(
+            base,
+            name="h100-grand-teton-500w",
+            source="h100-sxm; memory from torchtitan's benchmark files; bfloat16 peak from its first row",
+            memory_bytes=int(memory),
+            memory_bandwidth=bandwidth,
+            peak_flops={**base.peak_flops, "bfloat16": peak, "float16": peak},
+        )
+        ratio = predict_torchtitan(first, hw, folder)["ratio"]
+        if abs(ratio - 1) < 1e-4:
+            break
+        peak /= ratio
+    return hw, peak
+
+
+def predict_llama3_405b(row: tuple, folder: Path) -> dict:
+    from nanocore.hardware import load_hardware
+
+    gpus, tp, pp, dp, sequences, published = row
+    data = llama3_config("405b", gpus, tp, pp, 1, sequences // dp)
+    data["parallelism"].update(pp_engine="interleaved", pp_virtual_stages=2)
+    data["optimizer"]["zero_stage"] = 1
+    prediction = predict(data, folder / f"llama3_405b_{gpus}.yaml", gpus, load_hardware("h100-sxm"))
+    published_mfu = published * 1e12 / H100_BF16_PEAK
+    return {
+        "run": f"Llama 3 405B, TP {tp} x PP {pp} x DP {dp}, {gpus:,} GPUs",
+        "gpus": gpus,
+        "published_tflops_per_gpu": published,
+        "published_mfu": published_mfu,
+        "predicted_mfu": prediction.mfu,
+        "ratio": prediction.mfu / published_mfu,
+        "predicted_tokens_per_sec_per_gpu": prediction.tokens_per_sec_per_device,
+        "dominant": prediction.dominant,
+        "terms": {t.name: t.seconds for t in prediction.terms},
+    }
+
+
+def search_torchtitan(row: tuple, hardware, path: str, top: int, own_step: float) -> dict:
+    """Where `plan --search` ranks torchtitan's layout among every layout of the same GPUs."""
+    from nanocore.config.load import load_config
+    from nanocore.plan_search import search
+
+    loaded = load_config(path, world_size=None)
+    start = time.perf_counter()
+    result = search(loaded.config, loaded.plugins.registries, row[2], hardware, hardware.memory_bytes, top=top)
+    faster = [r for r in result.best if r.prediction.step_seconds < own_step * (1 - 1e-9)]
+    first = result.best[0]
+    return {
+        "layouts": result.enumerated,
+        "seconds": time.perf_counter() - start,
+        "published_rank": len(faster) + 1 if len(faster) < len(result.best) else None,
+        "first_choice": first.layout.label(),
+        "first_choice_speedup": own_step / first.prediction.step_seconds,
+        "top": [(r.layout.label(), r.prediction.step_seconds) for r in result.best],
     }
 
 
@@ -229,11 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default=None, help="comma-separated parameter counts (billions) of the rows to run")
     p.add_argument("--search", default="", help="comma-separated rows whose layout is also ranked by plan --search")
     p.add_argument("--top", type=int, default=5)
+    p.add_argument("--search-titan", action="store_true", help="also rank torchtitan's 8-GPU layout in plan --search")
+    p.add_argument("--no-h100", action="store_true", help="Megatron's table only (not the H100 runs)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rows = TABLE_1
     if args.rows:
-        wanted = {float(x) for x in args.rows.split(",")}
+        wanted = {float(x) for x in args.rows.split(",") if x != "none"}
         rows = tuple(r for r in TABLE_1 if r[0] in wanted)
     out = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -260,19 +407,68 @@ def main(argv: list[str] | None = None) -> int:
             out.append(r)
         within = sum(abs(r["ratio"] - 1) <= 0.2 for r in out)
         print(f"{within} of {len(out)} rows predicted within 20 % of the published teraFLOP/s per GPU")
-        titan = []
-        print("torchtitan on H100 (h100-sxm):")
-        for gpus, local, published in TORCHTITAN_8B:
-            t = predict_torchtitan(gpus, local, published, Path(tmp))
-            print(
-                f"  {t['run']}: published {published:,} tokens/s per GPU, predicted "
-                f"{t['predicted_tokens_per_sec_per_gpu']:,.0f} ({t['ratio']:.2f}x), MFU {t['predicted_mfu']:.1%}, "
-                f"dominant {t['dominant']}"
-            )
-            titan.append(t)
+        h100 = published_h100(Path(tmp), args.top if args.search_titan else 0) if not args.no_h100 else {}
     if args.json:
-        Path(args.json).write_text(json.dumps({"hardware": args.hardware, "rows": out, "torchtitan": titan}, indent=2))
+        Path(args.json).write_text(json.dumps({"hardware": args.hardware, "rows": out, **h100}, indent=2))
     return 0
+
+
+def published_h100(folder: Path, search_top: int) -> dict:
+    """The H100 groups (the module docstring): each row predicted and printed; with `search_top`,
+    torchtitan's first row is also ranked by `plan --search` on the fitted description."""
+    from nanocore.hardware import load_hardware
+
+    def show(label: str, r: dict) -> None:
+        print(
+            f"  {label:<36} published {r['published_tokens_per_sec_per_gpu']:>7,.0f}  predicted "
+            f"{r['predicted_tokens_per_sec_per_gpu']:>7,.0f}  {r['ratio']:.2f}x  MFU {r['predicted_mfu']:.1%}  "
+            f"{r['dominant']}",
+            flush=True,
+        )
+
+    print("torchtitan on its 500 W HBM2e H100s (tokens/s per GPU), on the shipped h100-sxm:")
+    sxm = load_hardware("h100-sxm")
+    titan = []
+    for row in TORCHTITAN:
+        titan.append(predict_torchtitan(row, sxm, folder))
+        show(row[0], titan[-1])
+    fitted, peak = grand_teton(TORCHTITAN[0], folder)
+    print(
+        f"on h100-sxm with 96 GB at 2.4 TB/s and a bfloat16 peak of {peak / 1e12:.0f} teraFLOP/s "
+        f"({peak / H100_BF16_PEAK:.0%} of the datasheet's; set by the first row, the others held out):"
+    )
+    held = []
+    for row in TORCHTITAN:
+        held.append(predict_torchtitan(row, fitted, folder))
+        show(row[0], held[-1])
+    within = sum(abs(r["ratio"] - 1) <= 0.2 for r in held[1:])
+    print(f"{within} of {len(held) - 1} held-out torchtitan rows within 20 %")
+    search = None
+    if search_top:
+        own = held[0]
+        search = search_torchtitan(TORCHTITAN[0], fitted, own["config"], search_top, own["predicted_step_seconds"])
+        where = search["published_rank"] or f"below the top {search_top}"
+        print(
+            f"  plan --search on 8 of these GPUs ({search['layouts']:,} layouts, {search['seconds']:.0f} s): "
+            f"torchtitan's layout ranks {where}; first choice {search['first_choice']}, predicted "
+            f"{search['first_choice_speedup']:.2f}x its speed",
+            flush=True,
+        )
+    print("Llama 3 405B pre-training on 700 W H100 SXM (arXiv 2407.21783 Table 4), on the shipped h100-sxm:")
+    meta = []
+    for row in LLAMA3_405B:
+        r = predict_llama3_405b(row, folder)
+        meta.append(r)
+        print(
+            f"  {r['run']:<44} published MFU {r['published_mfu']:.1%}  predicted {r['predicted_mfu']:.1%}  "
+            f"{r['ratio']:.2f}x  {r['dominant']}",
+            flush=True,
+        )
+    return {
+        "torchtitan_h100_sxm": titan,
+        "torchtitan_fitted": {"bfloat16_peak": peak, "rows": held, "search": search},
+        "llama3_405b": meta,
+    }
 
 
 if __name__ == "__main__":

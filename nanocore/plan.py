@@ -39,18 +39,24 @@ def plan_for(config: Config, registries: Registries, device: str, expert_load_fa
 
 
 def predict_for(
-    config: Config, registries: Registries, hardware: Hardware, device: str, expert_load_factor: float = 1.0
+    config: Config,
+    registries: Registries,
+    hardware: Hardware,
+    device: str,
+    expert_load_factor: float = 1.0,
+    extra: str = "predict",
 ) -> TimePrediction | None:
     """The engine's predicted step time on `hardware`, or None when the engine offers no time model
-    (registry entry extra `predict(config, registries, hardware, device, expert_load_factor)`)."""
+    (registry entry extra `predict(config, registries, hardware, device, expert_load_factor)`).
+    `extra="predict_bound"`: the engine's cheaper lower bound of that step, or None where it offers none."""
     entry = registries.parallel_engine.get(config.parallelism.engine)
-    predictor = entry.extras.get("predict")
+    predictor = entry.extras.get(extra)
     if predictor is None:
         return None
     result = predictor(config, registries, hardware, device=device, expert_load_factor=expert_load_factor)
     if not isinstance(result, TimePrediction):
         raise PluginError(
-            f"plugin {entry.plugin!r}: engine {entry.name!r}'s predict returned {type(result).__name__}, "
+            f"plugin {entry.plugin!r}: engine {entry.name!r}'s {extra} returned {type(result).__name__}, "
             "not a nanocore.engine_api.TimePrediction"
         )
     return result

@@ -7,15 +7,18 @@ stages, cp and its mode, dp, ep, the ZeRO stage, the micro-batch size (accumulat
 global batch) and recompute. The registries say which schedules, TP modes and ZeRO stages exist; each
 schedule's own check says which virtual-stage counts it runs.
 
-How: each layout is checked (`check_config`, microseconds) and its step predicted (the engine's
-`predict`, about a millisecond once the model's inventory at that tp is read); then, fastest first,
-layouts are planned (the engine's `plan`, tens of milliseconds) until `top` fit. A faster layout that
+How: each layout is checked (`check_config`, microseconds) and its step bounded (the engine's
+`predict_bound`: its prediction without the pipeline simulation, well under a millisecond once the
+model's inventory at that tp is read); then, fastest first, layouts are predicted in full (the
+pipeline simulated) while their bound could still beat the next one to take, and taken layouts are
+planned (the engine's `plan`, tens of milliseconds) until `top` fit. A faster layout that
 does not fit is reported with the rank and the term that overflows it. Layouts the checks reject are
 counted by their first message.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 VIRTUAL_STAGES = (1, 2, 4)  # tried with every schedule: its own check says which it runs
 RECOMPUTE: tuple[str | None, ...] = (None, "selective", "full")
 LARGEST_MICRO_BATCH = 16
+BOUND = "predict_bound"  # the engine's extra giving a lower bound of a step (`predict_for`)
 
 
 @attrs.frozen
@@ -123,6 +127,7 @@ class SearchResult:
     config_layout: Ranked | None  # the config's own layout, as predicted (and planned)
     complete: bool = True  # False: the time budget ran out before every layout was enumerated
     dominated: int = 0  # layouts not planned: one needing no more memory did not fit (`_needs_more`)
+    simulated: int = 0  # layouts predicted in full after their bound (the rest never could make the top)
 
 
 def _divisors(n: int) -> list[int]:
@@ -263,14 +268,18 @@ def search(
     expert_load_factor: float = 1.0,
     progress: Callable[[str], None] | None = None,
     budget_seconds: float | None = None,
+    exhaustive: bool = False,
 ) -> SearchResult:
     """Search the layouts of `config` on `world_size` devices of `hardware` (see the module docstring).
     With `budget_seconds`, enumeration stops when it is spent and the layouts predicted so far are
-    ranked (`complete` is then False): the start-of-run summary's advice must not hold a run up."""
+    ranked (`complete` is then False): the start-of-run summary's advice must not hold a run up.
+    `exhaustive`: predict every layout in full (no bound), to check the bound changes no answer."""
     start = time.monotonic()
     last = start
     rejected: Counter[str] = Counter()
-    predicted: list[Ranked] = []
+    # every layout that passes the checks, with its bound (`exact`: or its full prediction, where the
+    # engine offers no bound or `exhaustive` asks for every one)
+    candidates: list[tuple[Ranked, bool]] = []
     enumerated = 0
     complete = True
     for layout in layouts(config, registries, world_size, hardware.devices_per_node):
@@ -284,21 +293,41 @@ def search(
         except ConfigError as exc:
             rejected[str(exc).splitlines()[0]] += 1
             continue
-        prediction = predict_for(candidate, registries, hardware, device, expert_load_factor)
+        args = (candidate, registries, hardware, device, expert_load_factor)
+        bound = None if exhaustive else predict_for(*args, BOUND)
+        prediction = bound if bound is not None else predict_for(*args)
         if prediction is None:
             raise ConfigError(f"parallelism.engine: engine {config.parallelism.engine!r} offers no time model")
-        predicted.append(Ranked(layout, prediction))
+        candidates.append((Ranked(layout, prediction), bound is None))
         if progress is not None and time.monotonic() - last > 5:
             last = time.monotonic()
-            progress(f"search: {enumerated} layouts enumerated, {len(predicted)} pass the checks and are predicted")
-    predicted.sort(key=_rank_key)
+            progress(f"search: {enumerated} layouts enumerated, {len(candidates)} pass the checks and are predicted")
+    # Fastest first by the bound; a layout is predicted in full (its pipeline simulated) only while its
+    # bound could still beat the fastest fully predicted one not yet taken. A bound's step is never
+    # longer than the full prediction's, so layouts are taken in the order of their full predictions,
+    # ties broken by enumeration (as a stable sort of every full prediction would take them).
+    order = sorted(range(len(candidates)), key=lambda i: (_rank_key(candidates[i][0]), i))
+    ready: list[tuple[tuple[tuple[float, int, int, int, int, int, int, int], int], int, Ranked]] = []  # a heap
+    at = simulated = 0
     best: list[Ranked] = []
     misfits: list[Ranked] = []
     planned = dominated = 0
     too_big: dict[Layout, list[Layout]] = {}  # the misfits of each `_memory_family`
-    for ranked in predicted:
-        if len(best) >= top:
+    while len(best) < top:
+        nxt = order[at] if at < len(order) else -1
+        if nxt >= 0 and (not ready or (_rank_key(candidates[nxt][0]), nxt) < ready[0][0]):
+            at += 1
+            ranked, exact = candidates[nxt]
+            if not exact:
+                simulated += 1
+                full = predict_for(ranked.layout.apply(config), registries, hardware, device, expert_load_factor)
+                assert full is not None
+                ranked = Ranked(ranked.layout, full)
+            heapq.heappush(ready, ((_rank_key(ranked), nxt), nxt, ranked))
+            continue
+        if not ready:
             break
+        ranked = heapq.heappop(ready)[2]
         lay = ranked.layout
         family = _memory_family(lay)
         if any(_needs_more(lay, m) for m in too_big.get(family, ())):
@@ -328,7 +357,7 @@ def search(
         hardware=hardware.name,
         device_memory_bytes=device_bytes,
         enumerated=enumerated,
-        passed_checks=len(predicted),
+        passed_checks=len(candidates),
         planned=planned,
         seconds=time.monotonic() - start,
         best=best,
@@ -337,4 +366,5 @@ def search(
         config_layout=None,
         complete=complete,
         dominated=dominated,
+        simulated=simulated,
     )

@@ -184,6 +184,12 @@ REGISTRY_KINDS: dict[str, RegistryKind] = {
                 "fn(config, registries, hardware, device, expert_load_factor) -> TimePrediction "
                 "(nanocore.engine_api): seconds per step",
             ),
+            "predict_bound": Extra(
+                _FUNCTION,
+                "fn(config, registries, hardware, device, expert_load_factor) -> TimePrediction: a cheaper "
+                "prediction whose step_seconds never exceeds predict's (plan --search simulates only layouts "
+                "whose bound could still make its top)",
+            ),
         },
     ),
     "pipeline_schedule": RegistryKind(

@@ -204,8 +204,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         return 0 if result.best else 1
     print(
         f"{result.enumerated} layouts of {args.config} on {result.world_size} x {result.hardware} "
-        f"({gib(result.device_memory_bytes)} GiB): {result.passed_checks} pass the config checks and are predicted, "
-        f"the {result.planned} fastest planned"
+        f"({gib(result.device_memory_bytes)} GiB): {result.passed_checks} pass the config checks and are predicted "
+        f"({result.simulated} of them with their pipeline simulated), the {result.planned} fastest planned"
         + (f" ({result.dominated} more skipped: they need at least a misfit's memory)" if result.dominated else "")
         + f"; {result.seconds:.1f} s"
     )

@@ -14,7 +14,7 @@ from .build import model_key
 from .context_parallel import CONTEXT_PARALLEL_MODES
 from .engine import ParallelEngine
 from .planner import plan
-from .time_model import predict
+from .time_model import predict, predict_bound
 
 
 def check(config: Config, _args: object, registries=None) -> list[str]:
@@ -147,6 +147,7 @@ def register_parallel_engines(registry):
         check_model=check_blocks,
         plan=plan,
         predict=predict,
+        predict_bound=predict_bound,
     )
 
 

@@ -738,6 +738,30 @@ def predict(
     expert_load_factor: float = 1.0,
 ) -> TimePrediction:
     """The predicted step of `config` on `hardware` (see the module docstring)."""
+    return _predict(config, registries, hardware, device, expert_load_factor, pipeline=True)
+
+
+def predict_bound(
+    config: Config,
+    registries: Registries,
+    hardware: Hardware,
+    device: str = "cuda",
+    expert_load_factor: float = 1.0,
+) -> TimePrediction:
+    """`predict` without simulating the pipeline: its bubble term is 0, every other term the same, so
+    its step is never longer than `predict`'s (equal where pp is 1). `plan --search` ranks layouts by
+    it and simulates only those that could still make the top."""
+    return _predict(config, registries, hardware, device, expert_load_factor, pipeline=False)
+
+
+def _predict(
+    config: Config,
+    registries: Registries,
+    hardware: Hardware,
+    device: str,
+    expert_load_factor: float,
+    pipeline: bool,
+) -> TimePrediction:
     dtype = _dtype(config, hardware, device)
     lay = layout_of(config, registries, dtype, expert_load_factor)
     inv = inventory(config, registries, lay.tp)
@@ -760,7 +784,8 @@ def predict(
     per_rank, times = cached[2], cached[3]
     m = lay.microbatches
     key = (config.parallelism.pp_engine, lay.pp, m, lay.virtual, times)
-    if key not in _MAKESPANS:  # layouts differing in what the pipeline does not see (ZeRO, cp mode) share it
+    # layouts differing in what the pipeline does not see (ZeRO, cp mode) share a makespan
+    if pipeline and key not in _MAKESPANS:
         if len(_MAKESPANS) > 4096:
             _MAKESPANS.clear()
         shape = (config.parallelism.pp_engine, lay.pp, m, lay.virtual)
@@ -776,7 +801,6 @@ def predict(
             t_weight=times[3],
             first_stage_whole=True,  # the executor runs the first stage's backward whole, in W
         )
-    makespan = _MAKESPANS[key]
     busy = [m * (r["F"] + r["B"]) for r in per_rank]
     critical = max(range(lay.pp), key=lambda i: busy[i])
     r = per_rank[critical]
@@ -801,7 +825,7 @@ def predict(
             opts[args[:2]] = optimizer_seconds(int(x["params"]), int(x["expert_params"]), lay, hw)
     dp_exposed, dp_detail = max(dp_times.values(), key=lambda t: t[0])
     opt = max(opts.values())
-    bubble = max(0.0, makespan - busy[critical])
+    bubble = max(0.0, _MAKESPANS[key] - busy[critical]) if pipeline else 0.0
     where = f"{m} micro-batches of {lay.tokens:g} tokens on stage rank {critical}"
     schedule_name = f"{config.parallelism.pp_engine}, {m} micro-batches, {lay.virtual} virtual stage(s)"
     terms = [

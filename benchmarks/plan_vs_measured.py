@@ -6,6 +6,9 @@ Every layout trains the same float32 LLaMA on random tokens with the same global
 processes (one thread each) unless it says otherwise; the `moe_` layouts train a Mixtral of the same
 shape (4 experts of the hidden width, top-2) instead, with and without expert parallelism. The rank
 correlation is over the LLaMA layouts (one model); each MoE layout's ratio is printed beside them.
+Under expert parallelism the run's logged `moe_rank_load` (the busiest expert-parallel rank's routed
+tokens over its share, median over the timed steps) is fed back as the expert-load factor, as a user
+would with `nanocore plan --expert-load-factor`.
 Rounds alternate the layouts (the order rotates every round) and each figure is the median over
 rounds and timed steps.
 
@@ -32,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from _ranks import init_rank, llama_config, run_ranks, trainer_for
+
+from nanocore import hookimpl
 
 # name -> (processes, parallelism, optimizer)
 LAYOUTS: dict[str, tuple[int, dict, dict]] = {
@@ -88,8 +93,22 @@ def raw_config(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any]
     return raw
 
 
+class _Loads:
+    """A plugin recording each step's `moe_rank_load` (logged under expert parallelism)."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    @hookimpl
+    def on_step_end(self, step: int, metrics: dict[str, float], trainer: object) -> None:
+        if "moe_rank_load" in metrics:
+            self.seen.append(metrics["moe_rank_load"])
+
+
 def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> None:
     trainer = trainer_for(*init_rank(rank, world, raw, store))
+    loads = _Loads()
+    trainer.plugins.pm.register(loads, name="benchmark_loads")
     losses: list[float] = []
     took = []
     try:
@@ -100,10 +119,12 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
                 took.append(time.perf_counter() - start)
     finally:
         trainer.close()
-    results.put((rank, {"step_s": statistics.median(took), "losses": losses}))
+    rank_load = statistics.median(loads.seen) if loads.seen else None
+    results.put((rank, {"step_s": statistics.median(took), "losses": losses, "moe_rank_load": rank_load}))
 
 
-def predicted_step(args: argparse.Namespace, name: str, hardware_path: str) -> dict[str, Any]:
+def predicted_step(args: argparse.Namespace, name: str, hardware_path: str, load: float = 1.0) -> dict[str, Any]:
+    """The time model's step for layout `name`; `load`: the expert-load factor (`plan --expert-load-factor`)."""
     from nanocore.config.converter import structure_config
     from nanocore.hardware import load_hardware
     from nanocore.plan import predict_for
@@ -112,7 +133,7 @@ def predicted_step(args: argparse.Namespace, name: str, hardware_path: str) -> d
     registries = load_plugins().registries
     with tempfile.TemporaryDirectory() as tmp:
         config = structure_config(raw_config(args, name, Path(tmp)), registries)
-    prediction = predict_for(config, registries, load_hardware(hardware_path), "cpu")
+    prediction = predict_for(config, registries, load_hardware(hardware_path), "cpu", load)
     assert prediction is not None
     return {
         "step_seconds": prediction.step_seconds,
@@ -171,10 +192,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for name in names:
         if earlier:
             measured, loss = earlier[name]["measured_step_seconds"], earlier[name]["step1_loss"]
+            load = earlier[name].get("moe_rank_load")
         else:
             measured = statistics.median(max(g["step_s"] for g in got) for got in runs[name])
             loss = runs[name][0][0]["losses"][0]
-        predicted = predicted_step(args, name, hardware)
+            loads = [g["moe_rank_load"] for got in runs[name] for g in got if g.get("moe_rank_load") is not None]
+            load = statistics.median(loads) if loads else None
+        # the run's measured routing imbalance fed back, as a user would: plan --expert-load-factor
+        predicted = predicted_step(args, name, hardware, load or 1.0)
         rows.append(
             {
                 "layout": name,
@@ -187,6 +212,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 "dominant": predicted["dominant"],
                 "terms": predicted["terms"],
                 "step1_loss": loss,
+                "moe_rank_load": load,
             }
         )
     dense = [r for r in rows if not r["layout"].startswith("moe_")] or rows  # one model's layouts
@@ -215,6 +241,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(
             f"{r['layout']:>20} {r['measured_step_seconds']:>10.3f} {r['predicted_step_seconds']:>11.3f} "
             f"{r['predicted_over_measured']:>9.2f} {r['measured_tokens_per_second']:>9.0f} {r['dominant']:>16}"
+            + (f"  (moe_rank_load {r['moe_rank_load']:.2f} fed back)" if r["moe_rank_load"] else "")
         )
     print(
         f"within 25 %: {summary['within_25_percent']} of {len(rows)}; Spearman {rho:.2f}; the model's first "

@@ -4,6 +4,7 @@ loss), is predicted on the given hardware description, and the summary ranks the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -79,3 +80,31 @@ def test_after_calibrate_the_model_predicts_a_few_measured_layouts(tmp_path):
     ratios = {r["layout"]: r["predicted_over_measured"] for r in data["rows"]}
     assert all(0.5 <= x <= 2.0 for x in ratios.values()), (ratios, result.stdout[-2000:])
     assert data["summary"]["first_choice"] == data["summary"]["fastest_measured"], result.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_expert_parallel_runs_feed_their_routing_imbalance_back(tmp_path):
+    """Under expert parallelism the run's logged moe_rank_load (the busiest ep rank's routed tokens
+    over its share: 1 to ep) is what the prediction is made with, as `plan --expert-load-factor`; a
+    rank that gets more than its share predicts a slower step than a balanced one."""
+    hw = tmp_path / "hw.yaml"
+    hw.write_text(hardware_to_yaml(Hardware("box", "test", {"float32": 1e10}, 2**33, 2, Link(1e9, 1e-4),
+                                            Link(1e9, 1e-4), memory_bandwidth=1e10)))  # fmt: skip
+    args = ["--layouts", "moe_ep2", "--hardware", str(hw), "--samples", "4", "--seq", "32", "--hidden", "32"]
+    args += ["--layers", "2", "--heads", "4", "--vocab", "64", "--steps", "2"]
+    _, data = _benchmark(tmp_path, args)
+    (row,) = data["rows"]
+    assert 1.0 <= row["moe_rank_load"] <= 2.0
+    spec = importlib.util.spec_from_file_location("plan_vs_measured", ROOT / "benchmarks" / "plan_vs_measured.py")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    ns = module.parse_args(args)
+    assert row["predicted_step_seconds"] == pytest.approx(
+        module.predicted_step(ns, "moe_ep2", str(hw), row["moe_rank_load"])["step_seconds"]
+    )
+    if row["moe_rank_load"] > 1.01:
+        assert row["predicted_step_seconds"] > module.predicted_step(ns, "moe_ep2", str(hw), 1.0)["step_seconds"]

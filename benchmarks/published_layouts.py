@@ -46,6 +46,7 @@ The same for published H100 runs, in two groups:
 
     python benchmarks/published_layouts.py                   # every row, predicted (about a minute)
     python benchmarks/published_layouts.py --search 1.7,18.4  # also rank each named row's layout in plan --search
+                                                              # (and among what 2021's Megatron offered)
     python benchmarks/published_layouts.py --json out.json
     python benchmarks/published_layouts.py --rows none --search-titan  # the H100 runs only; rank torchtitan's first
 
@@ -330,12 +331,18 @@ def search_torchtitan(row: tuple, hardware, path: str, top: int, own_step: float
     }
 
 
-def search_row(row: tuple, hardware: str, path: str, top: int, own_step: float) -> dict:
-    """Where `plan --search` ranks the published layout among every layout of the same GPUs, and the
-    first one it prefers (any dp x tp x pp, schedule, micro-batch, recompute and ZeRO stage)."""
+# what 2021's Megatron-LM offered (`plan --search --only`): no ZeRO, full recompute, tensor parallelism
+# without sequence parallelism, no context parallelism, its two schedules
+MEGATRON_2021 = "zero=0,recompute=full,tp_mode=ALL_REDUCE,cp=1,schedule=1f1b|interleaved"
+
+
+def search_row(row: tuple, hardware: str, path: str, top: int, own_step: float, only: str | None = None) -> dict:
+    """Where `plan --search` ranks the published layout among every layout of the same GPUs (or, with
+    `only`, among those `--only only` allows), and the first one it prefers (any dp x tp x pp,
+    schedule, micro-batch, recompute and ZeRO stage)."""
     from nanocore.config.load import load_config
     from nanocore.hardware import load_hardware
-    from nanocore.plan_search import search
+    from nanocore.plan_search import parse_only, search
 
     _, _, _, _, tp, pp, gpus, _, _ = row
     loaded = load_config(path, world_size=None)
@@ -350,6 +357,7 @@ def search_row(row: tuple, hardware: str, path: str, top: int, own_step: float) 
         device="cuda",
         top=top,
         progress=lambda line: print(f"         {line}", file=sys.stderr, flush=True),
+        only=parse_only(only) if only else None,
     )
     faster = [r for r in result.best if r.prediction.step_seconds < own_step * (1 - 1e-9)]
     rank = len(faster) + 1 if len(faster) < len(result.best) or len(result.best) < top else None
@@ -395,15 +403,17 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             if str(row[0]) in args.search.split(",") or f"{row[0]:g}" in args.search.split(","):
-                r["search"] = search_row(row, args.hardware, r["config"], args.top, r["predicted_step_seconds"])
-                found = r["search"]
-                where = found["published_rank"] or f"below the top {args.top}"
-                print(
-                    f"         plan --search ({found['layouts']:,} layouts, {found['seconds']:.0f} s): the published "
-                    f"layout ranks {where}; first choice {found['first_choice']}, predicted "
-                    f"{found['first_choice_speedup']:.2f}x the published layout's speed",
-                    flush=True,
-                )
+                step = r["predicted_step_seconds"]
+                r["search"] = search_row(row, args.hardware, r["config"], args.top, step)
+                r["search_2021"] = search_row(row, args.hardware, r["config"], args.top, step, MEGATRON_2021)
+                for found, what in ((r["search"], "plan --search"), (r["search_2021"], "with 2021's options")):
+                    where = found["published_rank"] or f"below the top {args.top}"
+                    print(
+                        f"         {what} ({found['layouts']:,} layouts, {found['seconds']:.0f} s): the published "
+                        f"layout ranks {where}; first choice {found['first_choice']}, predicted "
+                        f"{found['first_choice_speedup']:.2f}x the published layout's speed",
+                        flush=True,
+                    )
             out.append(r)
         within = sum(abs(r["ratio"] - 1) <= 0.2 for r in out)
         print(f"{within} of {len(out)} rows predicted within 20 % of the published teraFLOP/s per GPU")

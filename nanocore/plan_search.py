@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import attrs
@@ -128,6 +128,40 @@ class SearchResult:
     complete: bool = True  # False: the time budget ran out before every layout was enumerated
     dominated: int = 0  # layouts not planned: one needing no more memory did not fit (`_needs_more`)
     simulated: int = 0  # layouts predicted in full after their bound (the rest never could make the top)
+
+
+def parse_only(text: str) -> dict[str, tuple[object, ...]]:
+    """`--only`'s `FIELD=V[|V...],...` (e.g. `zero=0,recompute=full,schedule=1f1b|interleaved`) as
+    Layout field -> allowed values, each read as its field's type (recompute: off for none)."""
+    fields = {f.name: f.type for f in attrs.fields(Layout)}
+    out: dict[str, tuple[object, ...]] = {}
+    for item in [x for x in text.split(",") if x.strip()]:
+        name, sep, values = item.partition("=")
+        name = name.strip()
+        if not sep or name not in fields:
+            raise ConfigError(f"--only: {item!r} is not FIELD=VALUE with FIELD one of {', '.join(fields)}")
+        kind = str(fields[name])
+        allowed: list[object] = []
+        for value in values.split("|"):
+            value = value.strip()
+            try:
+                if name == "recompute":
+                    if value not in ("off", "selective", "full"):
+                        raise ValueError(value)
+                    allowed.append(None if value == "off" else value)
+                elif kind in ("int", "<class 'int'>"):
+                    allowed.append(int(value))
+                elif kind in ("bool", "<class 'bool'>"):
+                    if value.lower() not in ("true", "false"):
+                        raise ValueError(value)
+                    allowed.append(value.lower() == "true")
+                else:
+                    allowed.append(value)
+            except ValueError:
+                want = "off, selective or full" if name == "recompute" else kind.replace("<class '", "").rstrip("'>")
+                raise ConfigError(f"--only: {name}={value!r}: expected {want}") from None
+        out[name] = tuple(allowed)
+    return out
 
 
 def _divisors(n: int) -> list[int]:
@@ -269,11 +303,13 @@ def search(
     progress: Callable[[str], None] | None = None,
     budget_seconds: float | None = None,
     exhaustive: bool = False,
+    only: Mapping[str, Collection[object]] | None = None,
 ) -> SearchResult:
     """Search the layouts of `config` on `world_size` devices of `hardware` (see the module docstring).
     With `budget_seconds`, enumeration stops when it is spent and the layouts predicted so far are
     ranked (`complete` is then False): the start-of-run summary's advice must not hold a run up.
-    `exhaustive`: predict every layout in full (no bound), to check the bound changes no answer."""
+    `exhaustive`: predict every layout in full (no bound), to check the bound changes no answer.
+    `only`: Layout field -> the values allowed (`parse_only`); other layouts are not enumerated."""
     start = time.monotonic()
     last = start
     rejected: Counter[str] = Counter()
@@ -286,6 +322,8 @@ def search(
         if budget_seconds is not None and time.monotonic() - start > budget_seconds:
             complete = False
             break
+        if only and any(getattr(layout, name) not in allowed for name, allowed in only.items()):
+            continue
         enumerated += 1
         candidate = layout.apply(config)
         try:

@@ -45,6 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--top", type=int, default=5, help="with --search: how many layouts to show (default 5)")
     p.add_argument(
+        "--only",
+        default=None,
+        metavar="FIELD=V[|V],...",
+        help="with --search: only layouts with these values, e.g. zero=0|1,recompute=full,tp_mode=ALL_REDUCE "
+        "(fields: dp tp pp cp ep tp_mode tp_async cp_mode schedule virtual zero micro_batch_size accumulation "
+        "recompute)",
+    )
+    p.add_argument(
         "--expert-load-factor",
         type=float,
         default=1.0,
@@ -96,6 +104,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.search:
         return cmd_search(args)
+    if args.only:
+        raise ConfigError("--only: narrows a search; give --search too")
     loaded = load_config(args.config, args.plugin, world_size=args.world_size, overrides=args.overrides)
     config = loaded.config
     if args.expert_load_factor < 1.0:
@@ -171,8 +181,9 @@ def _hardware_for_search(args: argparse.Namespace, config_hardware: str | None) 
 
 def cmd_search(args: argparse.Namespace) -> int:
     from nanocore.config.load import load_config
-    from nanocore.plan_search import search
+    from nanocore.plan_search import parse_only, search
 
+    only = parse_only(args.only) if args.only else None
     if args.world_size is None or args.world_size < 1:
         raise ConfigError("--world-size: --search needs the number of devices to lay the model out on")
     if args.top < 1:
@@ -197,6 +208,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         top=args.top,
         expert_load_factor=args.expert_load_factor,
         progress=progress,
+        only=only,
     )
     if args.json:
         json.dump(attrs.asdict(result), sys.stdout, indent=2)

@@ -150,6 +150,42 @@ def test_only_layouts_whose_bound_could_make_the_top_are_simulated_and_the_answe
             assert bound.step_seconds == pytest.approx(full.step_seconds, rel=1e-12)
 
 
+def test_only_narrows_the_search_to_the_layouts_a_user_allows(tmp_path, registries):
+    """`--only zero=0,recompute=full,tp_mode=ALL_REDUCE` (what 2021's Megatron ran): every layout
+    ranked has those values, and its first choice is the fastest of the unrestricted search's layouts
+    that have them."""
+    from nanocore.plan_search import parse_only
+
+    config = config_of(tmp_path, registries)
+    only = parse_only("zero=0, recompute=full|selective ,tp_mode=ALL_REDUCE,tp_async=false")
+    assert only == {"zero": (0,), "recompute": ("full", "selective"), "tp_mode": ("ALL_REDUCE",), "tp_async": (False,)}
+    narrow = search(config, registries, 4, HW, HW.memory_bytes, device="cpu", top=3, only=only)
+    wide = search(config, registries, 4, HW, HW.memory_bytes, device="cpu", top=400)
+    assert narrow.best and narrow.enumerated < wide.enumerated
+    for r in narrow.best:
+        assert r.layout.zero == 0 and r.layout.recompute in ("full", "selective") and not r.layout.tp_async
+        assert r.layout.tp == 1 or r.layout.tp_mode == "ALL_REDUCE"
+    allowed = [
+        r
+        for r in wide.best
+        if r.layout.zero == 0
+        and r.layout.recompute in ("full", "selective")
+        and (r.layout.tp == 1 or r.layout.tp_mode == "ALL_REDUCE")
+    ]
+    assert narrow.best[0].layout == allowed[0].layout
+    assert wide.best[0].layout.recompute is None  # the narrowing changed the answer
+    assert parse_only("recompute=off") == {"recompute": (None,)}
+    bad = {
+        "zeros=1": "FIELD one of dp, tp",
+        "zero=two": "zero='two': expected int",
+        "recompute=some": "expected off, selective or full",
+        "tp_async=yes": "expected bool",
+    }
+    for text, said in bad.items():
+        with pytest.raises(ConfigError, match=said):
+            parse_only(text)
+
+
 def test_plan_search_command_prints_the_table_and_json(tmp_path):
     config = tmp_path / "c.yaml"
     raw = tiny_config(tmp_path)
@@ -172,6 +208,17 @@ def test_plan_search_command_prints_the_table_and_json(tmp_path):
     assert no_world.returncode == 2 and "--world-size" in no_world.stderr
     no_hw = subprocess.run([*cmd, "--world-size", "4"], **_quiet())
     assert no_hw.returncode == 2 and "--hardware" in no_hw.stderr
+    narrow = subprocess.run(
+        [*cmd, "--world-size", "4", "--hardware", str(hw), "--only", "zero=0,recompute=full"], **_quiet()
+    )
+    assert narrow.returncode == 0, narrow.stderr
+    rows = [ln for ln in narrow.stdout.splitlines() if ln[:3].strip().isdigit() and ln.startswith(" ")]
+    assert rows and all("ZeRO-0" in r and "recompute full" in r for r in rows), narrow.stdout
+    bad = subprocess.run([*cmd, "--world-size", "4", "--hardware", str(hw), "--only", "zero=x"], **_quiet())
+    assert bad.returncode == 2 and "--only: zero='x'" in bad.stderr
+    alone = [sys.executable, "-m", "nanocore", "plan", str(config), "--only", "zero=0"]
+    alone_out = subprocess.run(alone, **_quiet())
+    assert alone_out.returncode == 2 and "give --search too" in alone_out.stderr
 
 
 def _quiet() -> dict:

@@ -14,6 +14,7 @@ from .build import model_key
 from .context_parallel import CONTEXT_PARALLEL_MODES
 from .engine import ParallelEngine
 from .planner import plan
+from .tensor_parallel import split_problem
 from .time_model import predict, predict_bound
 
 
@@ -46,6 +47,7 @@ def check(config: Config, _args: object, registries=None) -> list[str]:
 
 
 _CHECKED_MODELS: dict[tuple[str, str], nn.Module] = {}
+_TP_SPLITS: dict[tuple[str, str, int], str | None] = {}  # (model, its config, tp) -> split_problem's answer
 
 
 def _checked_model(model_entry, config: Config) -> nn.Module:
@@ -66,7 +68,7 @@ def check_blocks(config: Config, model_entry) -> list[str]:
     chunks = par.pp * par.pp_virtual_stages
     ep, cp, masking = par.expert_parallel_size, par.context_parallel_size, config.tokens.document_masking
     selective = par.recompute == "selective"
-    if chunks <= 1 and ep <= 1 and cp <= 1 and not masking and not selective:
+    if chunks <= 1 and ep <= 1 and cp <= 1 and par.tp <= 1 and not masking and not selective:
         return []
     try:
         model = _checked_model(model_entry, config)
@@ -74,6 +76,12 @@ def check_blocks(config: Config, model_entry) -> list[str]:
     except Exception:  # the model's own check reports a broken model config
         return []
     problems = []
+    if par.tp > 1:
+        key = (model_entry.name, model_key(config.model), par.tp)
+        if key not in _TP_SPLITS:
+            _TP_SPLITS[key] = split_problem(model, getattr(model, "tp_plan", None) or {}, par.tp)
+        if _TP_SPLITS[key] is not None:
+            problems.append(str(_TP_SPLITS[key]))
     if blocks < chunks:
         problems.append(
             f"parallelism: pp x pp_virtual_stages = {chunks} pipeline chunks but the model has only {blocks} "

@@ -267,6 +267,27 @@ def _kv_rows(linear: nn.Linear, options: dict, tp: int, rank: int, name: str) ->
     return (rank // replicas) * head_dim, head_dim, replicas
 
 
+def split_problem(model: nn.Module, tp_plan: dict[str, Any], tp: int) -> str | None:
+    """The first dimension `parallelize` at size `tp` would reject (one `tp` does not divide), read off
+    the model without changing it: the config checks ask before any process group exists. The
+    vocabulary is left out: it is padded to a multiple of tp (model.make_vocab_size_divisible_by)."""
+    for name, module in model.named_modules():
+        found = _style_of(name, tp_plan) if name else None
+        if found is None or not isinstance(module, nn.Linear):
+            continue
+        style, options = found
+        try:
+            if style == "rowwise":
+                _split(module.in_features, tp, 0, f"{name} (input features)")
+            elif style == "colwise_kv":
+                _kv_rows(module, options, tp, 0, name)
+            elif style != "lm_head":
+                _split(module.out_features, tp, 0, f"{name} (output features)")
+        except ConfigError as exc:
+            return str(exc)
+    return None
+
+
 def parallelize(
     model: nn.Module, tp_plan: dict[str, Any], group: Group, tp_mode: TPMode, async_communication: bool = False
 ) -> None:

@@ -28,6 +28,18 @@ def test_heads_not_divisible_by_tp(registries, tmp_path):
     assert "num_attention_heads" in message and "tp" in message
 
 
+def test_a_matrix_tp_does_not_divide_is_a_config_error_not_a_crash_after_launch(registries, tmp_path):
+    """Heads split over tp=3 (6 query, 3 key/value), but the MLP's 64 rows do not: that was found only
+    when the model was split, after the process groups existed (and it crashed `plan --search` on 1,536
+    GPUs, where tp=3 and 6 are divisors). The vocabulary is padded to tp, so it is never the problem."""
+    model = {"model_config": {"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 3}}
+    message = problems(registries, tmp_path, model=model, parallelism={"tp": 3})
+    assert "gate_proj (output features) has size 64, which tp=3 does not divide" in message
+    model["model_config"]["intermediate_size"] = 96  # every matrix now splits three ways
+    config = structure_config(tiny_config(tmp_path, model=model, parallelism={"tp": 3}), registries)
+    check_config(config, registries, 3)
+
+
 def test_fewer_layers_than_pipeline_chunks(registries, tmp_path):
     # 4 layers + embedding + head = 6 blocks; pp 4 x 2 virtual stages = 8 chunks
     message = problems(

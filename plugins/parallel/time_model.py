@@ -230,6 +230,9 @@ class _Counter(TorchDispatchMode):
     def __init__(self, hidden: int, params: set[int]) -> None:
         super().__init__()
         self.hidden, self.params = hidden, params
+        # parameters `_trace_on_cpu` replaced, kept alive to the trace's end: `params` holds their ids, and
+        # a freed one's id, reused by a new activation, would hide that activation from the count
+        self.retired: list[torch.Tensor] = []
         self.paused = 0  # inside an attention core
         self.ops, self.stream, self.inner = 0, 0.0, 0.0
 
@@ -266,6 +269,7 @@ def _trace_on_cpu(model: nn.Module, block: list[str], x: torch.Tensor, counter: 
     try:
         generator = torch.Generator().manual_seed(0)
         for m in modules:
+            counter.retired += [*m.parameters(), *m.buffers()]
             m.to_empty(device="cpu")
             for t in [*m.parameters(), *m.buffers()]:
                 if t.is_floating_point():

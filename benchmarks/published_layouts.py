@@ -111,49 +111,46 @@ def intermediate(hidden: int, tp: int) -> int:
     return max(unit, round(8 * hidden / 3 / unit) * unit)
 
 
-def config_for(row: tuple, micro_batch: int = 1) -> dict:
-    _, heads, hidden, layers, tp, pp, gpus, batch, _ = row
-    dp = gpus // (tp * pp)
+def llama_config(run: str, model: dict, parallelism: dict, tokens: dict, zero_stage: int) -> dict:
+    """A bfloat16 nanocore LLaMA config (random init, no data) for `plan`: the sections that differ given."""
     return {
-        "general": {"project": "megatron_table1", "run": f"gpt_{hidden}x{layers}", "seed": 1},
+        "general": {"project": "published", "run": run, "seed": 1},
         "model": {
             "dtype": "bfloat16",
             "make_vocab_size_divisible_by": 128,
             "init_method": {"std": 0.02},
-            "model_config": {
-                "model_type": "llama",
-                "hidden_size": hidden,
-                "intermediate_size": intermediate(hidden, tp),
-                "num_attention_heads": heads,
-                "num_key_value_heads": heads,
-                "num_hidden_layers": layers,
-                "vocab_size": VOCAB,
-                "max_position_embeddings": SEQUENCE,
-                "tie_word_embeddings": True,
-            },
+            "model_config": {"model_type": "llama", **model},
         },
-        "parallelism": {
-            "dp": dp,
-            "tp": tp,
-            "pp": pp,
-            "pp_engine": "1f1b",
-            "tp_mode": "ALL_REDUCE",
-            "recompute_granularity": "full",
-        },
+        "parallelism": parallelism,
         "tokenizer": {"tokenizer_name_or_path": None},
-        "tokens": {
-            "sequence_length": SEQUENCE,
-            "micro_batch_size": micro_batch,
-            "batch_accumulation_per_replica": batch // (dp * micro_batch),
-            "train_steps": 10,
-        },
+        "tokens": {**tokens, "train_steps": 10},
         "optimizer": {
-            "zero_stage": 0,
+            "zero_stage": zero_stage,
             "learning_rate_scheduler": {"learning_rate": 1.0e-4},
             "optimizer_factory": {"name": "adam_w"},
         },
         "data_stages": [{"name": "stable", "start_training_step": 1, "data": {"dataset": None}}],
     }
+
+
+def config_for(row: tuple, micro_batch: int = 1) -> dict:
+    _, heads, hidden, layers, tp, pp, gpus, batch, _ = row
+    dp = gpus // (tp * pp)
+    model = {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate(hidden, tp),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "num_hidden_layers": layers,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": SEQUENCE,
+        "tie_word_embeddings": True,
+    }
+    parallelism = {"dp": dp, "tp": tp, "pp": pp, "pp_engine": "1f1b", "tp_mode": "ALL_REDUCE"}
+    parallelism["recompute_granularity"] = "full"
+    tokens = {"sequence_length": SEQUENCE, "micro_batch_size": micro_batch}
+    tokens["batch_accumulation_per_replica"] = batch // (dp * micro_batch)
+    return llama_config(f"gpt_{hidden}x{layers}", model, parallelism, tokens, zero_stage=0)
 
 
 def predict(data: dict, path: Path, gpus: int, hardware):  # hardware: a name or a Hardware -> TimePrediction
@@ -197,42 +194,22 @@ def predict_row(row: tuple, hardware: str, folder: Path) -> dict:
 
 
 def llama3_config(model: str, gpus: int, tp: int, pp: int, local_batch: int, accumulation: int) -> dict:
-    """A nanocore config of a Llama 3.1 model at sequence 8192 (dp = GPUs / tp / pp)."""
+    """A nanocore config of a Llama 3.1 model at sequence 8192 (dp = GPUs / tp / pp), ZeRO-3."""
     hidden, inter, heads, kv, layers = LLAMA3[model]
-    return {
-        "general": {"project": "published_h100", "run": f"llama3_{model}", "seed": 1},
-        "model": {
-            "dtype": "bfloat16",
-            "make_vocab_size_divisible_by": 128,
-            "init_method": {"std": 0.02},
-            "model_config": {
-                "model_type": "llama",
-                "hidden_size": hidden,
-                "intermediate_size": inter,
-                "num_attention_heads": heads,
-                "num_key_value_heads": kv,
-                "num_hidden_layers": layers,
-                "vocab_size": 128256,
-                "max_position_embeddings": 8192,
-                "rope_theta": 500000.0,
-                "tie_word_embeddings": False,
-            },
-        },
-        "parallelism": {"dp": gpus // (tp * pp), "tp": tp, "pp": pp, "tp_mode": "REDUCE_SCATTER"},
-        "tokenizer": {"tokenizer_name_or_path": None},
-        "tokens": {
-            "sequence_length": 8192,
-            "micro_batch_size": local_batch,
-            "batch_accumulation_per_replica": accumulation,
-            "train_steps": 10,
-        },
-        "optimizer": {
-            "zero_stage": 3,
-            "learning_rate_scheduler": {"learning_rate": 1.0e-4},
-            "optimizer_factory": {"name": "adam_w"},
-        },
-        "data_stages": [{"name": "stable", "start_training_step": 1, "data": {"dataset": None}}],
+    widths = {
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "num_hidden_layers": layers,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
     }
+    parallelism = {"dp": gpus // (tp * pp), "tp": tp, "pp": pp, "tp_mode": "REDUCE_SCATTER"}
+    tokens = {"sequence_length": 8192, "micro_batch_size": local_batch, "batch_accumulation_per_replica": accumulation}
+    return llama_config(f"llama3_{model}", widths, parallelism, tokens, zero_stage=3)
 
 
 def torchtitan_config(row: tuple) -> dict:

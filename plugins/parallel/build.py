@@ -62,7 +62,14 @@ def partition(blocks: list[list[str]], parts: int) -> list[list[list[str]]]:
 
     Decoder layers cost 1; the first and last blocks (embedding, head) cost 1/2 each.
     """
-    n = len(blocks)
+    return [[blocks[i] for i in chunk] for chunk in partition_indices(len(blocks), parts)]
+
+
+@functools.lru_cache(maxsize=256)
+def partition_indices(num_blocks: int, parts: int) -> list[list[int]]:
+    """`partition` of `num_blocks` blocks by index: the block indices of each chunk (the time model
+    and the pipeline probe cut as a run does; remembered, the memory planner cuts once per rank)."""
+    n = num_blocks
     if n < parts:
         raise ValueError(f"{n} pipeline blocks cannot fill {parts} chunks")
     cost = [1.0] * n
@@ -86,15 +93,7 @@ def partition(blocks: list[list[str]], parts: int) -> list[list[list[str]]]:
     for k in range(parts, 0, -1):
         bounds.append((cut[k][i], i))
         i = cut[k][i]
-    return [blocks[a:b] for a, b in reversed(bounds)]
-
-
-@functools.lru_cache(maxsize=256)
-def partition_indices(num_blocks: int, parts: int) -> list[list[int]]:
-    """`partition` of `num_blocks` blocks by index: the block indices of each chunk (the time model
-    and the pipeline probe cut as a run does)."""
-    chunks = partition([[str(i)] for i in range(num_blocks)], parts)
-    return [[int(block[0]) for block in chunk] for chunk in chunks]
+    return [list(range(a, b)) for a, b in reversed(bounds)]
 
 
 _MODEL_KEYS: dict[int, tuple[object, str]] = {}

@@ -112,7 +112,10 @@ def shard_experts(model: nn.Module, ep_size: int, ep_rank: int) -> None:
     """Keep this rank's experts of every stacked expert parameter (on the meta device, before
     materialisation): a [E, ...] parameter becomes [E/ep, ...] with its place in the full tensor."""
     for layer_name in moe_layers(model):
-        layer = model.get_submodule(layer_name)
+        try:
+            layer = model.get_submodule(layer_name)
+        except AttributeError:  # in a block another pipeline stage holds, pruned away (the memory planner)
+            continue
         experts = int(layer.num_experts)
         if experts % ep_size:
             raise ValueError(f"{layer_name}: {experts} experts cannot be split over {ep_size} ranks")

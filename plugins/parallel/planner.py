@@ -1,9 +1,10 @@
 """The `nd` engine's memory plan: bytes per rank before anything is launched (`nanocore plan`).
 
 Parameters are counted exactly: for each distinct rank (pipeline stage x tensor-parallel rank; data-
-and context-parallel replicas hold the same, ZeRO shards within one row) the model is built on the
-meta device, parallelised with that rank's TP coordinates and pruned to its experts and pipeline
-chunks, the way the engine builds it. Then, in bytes:
+and context-parallel replicas hold the same, ZeRO shards within one row) the rank's part of the model
+is on the meta device, parallelised with that rank's TP coordinates and pruned to its experts and
+pipeline chunks, as the engine builds it (the whole model is built once per tp; each rank's pipeline
+chunks are copied from it). Then, in bytes:
 
 - params: the rank's parameters x dtype size (tied pairs once per rank); ZeRO-3: its rows of every
   trainable parameter, plus, while blocks run, two neighbouring blocks whole (the running one and the
@@ -50,6 +51,7 @@ backward's peak and the optimizer step's do not overlap (activations are freed b
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -59,14 +61,14 @@ from nanocore.config import Config
 from nanocore.dtypes import resolve_dtype_name
 from nanocore.engine_api import MemoryPlan, PlannedLayout, RankPlan
 from nanocore.model_api import is_hidden_matrix
-from nanocore.pipeline_api import Action
+from nanocore.pipeline_api import Action, stage_of
 from nanocore.pipeline_sim import simulate
 from nanocore.registry import Entry, Registries
 from nanocore.sharding import get_placement, row_share
 from nanocore.tp_api import TPMode
 
-from .build import keep_rank_part, meta_model, model_key
-from .expert_parallel import is_expert
+from .build import meta_model, model_key, partition
+from .expert_parallel import is_expert, shard_experts
 from .tensor_parallel import PlannedGroup
 from .tensor_parallel import parallelize as tp_parallelize
 
@@ -74,27 +76,71 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 _RANK_PARTS: dict[tuple[object, ...], tuple[nn.Module, dict[str, float] | None, list[list[list[str]]]]] = {}
+# model key -> the whole model on meta, its declared activation elements, and a deepcopy memo that
+# shares its parameters and buffers
+_WHOLE: dict[tuple[object, ...], tuple[nn.Module, dict[str, float] | None, dict[int, object]]] = {}
+_PRUNED = nn.Identity()  # what a rank part holds in place of another stage's blocks
+
+
+def _whole_model(
+    config: Config, model_entry: Entry, tp: int
+) -> tuple[nn.Module, dict[str, float] | None, dict[int, object]]:
+    """The whole single-device model on meta (its vocabulary padded for `tp`), its declared
+    activation elements and a deepcopy memo sharing its tensors; built once per model and tp: every
+    rank part is cut from it."""
+    multiple = config.model.make_vocab_size_divisible_by * tp
+    key = (model_key(config.model), model_entry.name, multiple)
+    if key not in _WHOLE:
+        if len(_WHOLE) > 16:
+            _WHOLE.clear()
+        model = meta_model(model_entry, config.model, vocab_multiple=multiple)
+        shared: dict[int, object] = {id(t): t for t in model.parameters()}
+        shared.update({id(t): t for t in model.buffers()})
+        _WHOLE[key] = (model, _activation_elements(model), shared)
+    return _WHOLE[key]
+
+
+def _pipeline_part(
+    model: nn.Module, shared: dict[int, object], pp: int, pp_rank: int, virtual: int, schedule: object
+) -> tuple[nn.Module, list[list[list[str]]]]:
+    """A copy of `model` holding only this pipeline rank's chunks (every other pipeline block an
+    nn.Identity, as `keep_rank_part` leaves them) and those chunks. The copy shares the parameters and
+    buffers of the blocks it keeps (`shared`): `plan` reads them and never changes them, and
+    parallelising a part or sharding its experts replaces parameters, never alters them. Copying
+    the kept blocks costs a fraction of building and parallelising the whole model once per rank (a
+    1T model's 64 stages x 8 TP ranks)."""
+    all_chunks = partition(model.pipeline_blocks(), pp * virtual)
+    ids = [stage_of(schedule, v, pp_rank, pp, virtual) for v in range(virtual)]
+    memo = dict(shared)
+    for index, chunk in enumerate(all_chunks):
+        if index not in ids:
+            for block in chunk:
+                for name in block:
+                    memo[id(model.get_submodule(name))] = _PRUNED
+    return copy.deepcopy(model, memo), [all_chunks[i] for i in ids]
 
 
 def _rank_part(
     config: Config, model_entry: Entry, tp_mode: TPMode | None, schedule: object, pp_rank: int, tp_rank: int
 ) -> tuple[nn.Module, dict[str, float] | None, list[list[list[str]]]]:
     """A pipeline and TP rank's part of the model on meta (read, never changed, by `plan`): the model,
-    its declared activation elements and its local chunks. Remembered: `nanocore plan --search` plans
-    layouts that differ only in what the model part does not depend on (ZeRO, batch, recompute, dp)."""
+    its declared activation elements and its local chunks, as the engine builds it (`build_local_model`:
+    parallelised with that rank's TP coordinates, pruned to its chunks and its experts). Remembered:
+    `nanocore plan --search` plans layouts that differ only in what the model part does not depend
+    on (ZeRO, batch, recompute, dp)."""
     par = config.parallelism
     tp, pp, ep = par.tp, par.pp, par.expert_parallel_size
     key = (model_key(config.model), tp, tp_rank, par.tp_mode, par.tp_linear_async_communication, pp, pp_rank)
     key += (par.pp_virtual_stages, ep, par.pp_engine)
     if key not in _RANK_PARTS:
-        if len(_RANK_PARTS) > 256:
+        if len(_RANK_PARTS) > 1024:
             _RANK_PARTS.clear()
-        model = meta_model(model_entry, config.model, vocab_multiple=config.model.make_vocab_size_divisible_by * tp)
-        declared = _activation_elements(model)
+        whole, declared, shared = _whole_model(config, model_entry, tp)
+        model, local_chunks = _pipeline_part(whole, shared, pp, pp_rank, par.pp_virtual_stages, schedule)
         if tp > 1:
             assert tp_mode is not None
             tp_parallelize(model, model.tp_plan, PlannedGroup(tp, tp_rank), tp_mode, par.tp_linear_async_communication)
-        local_chunks, _ = keep_rank_part(model, pp, pp_rank, par.pp_virtual_stages, ep, 0, schedule)
+        shard_experts(model, ep, 0)
         _RANK_PARTS[key] = (model, declared, local_chunks)
     return _RANK_PARTS[key]
 

@@ -307,6 +307,8 @@ def parallelize(
         if found is None:
             continue
         style, options = found
+        if type(module) is nn.Identity:
+            continue  # a block of another pipeline stage, pruned away (the memory planner's rank parts)
         if style == "head_norm":
             setattr(module, _HEAD_NORM, True)
             continue

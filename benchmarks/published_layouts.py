@@ -360,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--search", default="", help="comma-separated rows whose layout is also ranked by plan --search")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--search-titan", action="store_true", help="also rank torchtitan's 8-GPU layout in plan --search")
+    p.add_argument(
+        "--only-2021", action="store_true", help="--search among 2021's options only (MEGATRON_2021), not every layout"
+    )
     p.add_argument("--no-h100", action="store_true", help="Megatron's table only (not the H100 runs)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -381,9 +384,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             if str(row[0]) in args.search.split(",") or f"{row[0]:g}" in args.search.split(","):
                 step = r["predicted_step_seconds"]
-                r["search"] = search_row(row, args.hardware, r["config"], args.top, step)
+                if not args.only_2021:
+                    r["search"] = search_row(row, args.hardware, r["config"], args.top, step)
                 r["search_2021"] = search_row(row, args.hardware, r["config"], args.top, step, MEGATRON_2021)
-                for found, what in ((r["search"], "plan --search"), (r["search_2021"], "with 2021's options")):
+                searched = [
+                    (r[k], what)
+                    for k, what in (("search", "plan --search"), ("search_2021", "with 2021's options"))
+                    if k in r
+                ]
+                for found, what in searched:
                     where = found["published_rank"] or f"below the top {args.top}"
                     print(
                         f"         {what} ({found['layouts']:,} layouts, {found['seconds']:.0f} s): the published "

@@ -345,7 +345,8 @@ def search(
     # longer than the full prediction's, so layouts are taken in the order of their full predictions,
     # ties broken by enumeration (as a stable sort of every full prediction would take them).
     order = sorted(range(len(candidates)), key=lambda i: (_rank_key(candidates[i][0]), i))
-    ready: list[tuple[tuple[tuple[float, int, int, int, int, int, int, int], int], int, Ranked]] = []  # a heap
+    # a heap of fully predicted layouts: (their rank key and enumeration index, the layout)
+    ready: list[tuple[tuple[tuple[float, int, int, int, int, int, int, int], int], Ranked]] = []
     at = simulated = 0
     best: list[Ranked] = []
     misfits: list[Ranked] = []
@@ -361,11 +362,11 @@ def search(
                 full = predict_for(ranked.layout.apply(config), registries, hardware, device, expert_load_factor)
                 assert full is not None
                 ranked = Ranked(ranked.layout, full)
-            heapq.heappush(ready, ((_rank_key(ranked), nxt), nxt, ranked))
+            heapq.heappush(ready, ((_rank_key(ranked), nxt), ranked))
             continue
         if not ready:
             break
-        ranked = heapq.heappop(ready)[2]
+        ranked = heapq.heappop(ready)[1]
         lay = ranked.layout
         family = _memory_family(lay)
         if any(_needs_more(lay, m) for m in too_big.get(family, ())):

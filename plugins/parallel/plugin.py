@@ -79,6 +79,8 @@ def check_blocks(config: Config, model_entry) -> list[str]:
     if par.tp > 1:
         key = (model_entry.name, model_key(config.model), par.tp)
         if key not in _TP_SPLITS:
+            if len(_TP_SPLITS) > 1024:
+                _TP_SPLITS.clear()
             _TP_SPLITS[key] = split_problem(model, getattr(model, "tp_plan", None) or {}, par.tp)
         if _TP_SPLITS[key] is not None:
             problems.append(str(_TP_SPLITS[key]))

@@ -267,22 +267,31 @@ def _kv_rows(linear: nn.Linear, options: dict, tp: int, rank: int, name: str) ->
     return (rank // replicas) * head_dim, head_dim, replicas
 
 
+def _rank_rows(module: nn.Module, style: str, options: dict, tp: int, rank: int, name: str) -> tuple[int, int, int]:
+    """(start, length, replicas) of the rows of `module` that TP rank `rank` of `tp` holds under `style`
+    (the rows of its weight it keeps: input features for rowwise, vocabulary entries for an
+    embedding, output features otherwise), and how many ranks hold the same rows (key/value heads
+    fewer than tp are repeated); a ConfigError where tp does not divide them."""
+    if style == "vocab_embedding":
+        what = f"{name} (vocabulary; pad it with model.make_vocab_size_divisible_by)"
+        return (*_split(module.num_embeddings, tp, rank, what), 1)
+    if style == "rowwise":
+        return (*_split(module.in_features, tp, rank, f"{name} (input features)"), 1)
+    if style == "colwise_kv":
+        return _kv_rows(module, options, tp, rank, name)
+    return (*_split(module.out_features, tp, rank, f"{name} (output features)"), 1)
+
+
 def split_problem(model: nn.Module, tp_plan: dict[str, Any], tp: int) -> str | None:
     """The first dimension `parallelize` at size `tp` would reject (one `tp` does not divide), read off
     the model without changing it: the config checks ask before any process group exists. The
     vocabulary is left out: it is padded to a multiple of tp (model.make_vocab_size_divisible_by)."""
     for name, module in model.named_modules():
         found = _style_of(name, tp_plan) if name else None
-        if found is None or not isinstance(module, nn.Linear):
+        if found is None or not isinstance(module, nn.Linear) or found[0] in ("lm_head", "head_norm"):
             continue
-        style, options = found
         try:
-            if style == "rowwise":
-                _split(module.in_features, tp, 0, f"{name} (input features)")
-            elif style == "colwise_kv":
-                _kv_rows(module, options, tp, 0, name)
-            elif style != "lm_head":
-                _split(module.out_features, tp, 0, f"{name} (output features)")
+            _rank_rows(module, found[0], found[1], tp, 0, name)
         except ConfigError as exc:
             return str(exc)
     return None
@@ -319,22 +328,14 @@ def parallelize(
                 f"{type(module).__name__}"
             )
         tied = replaced.get(id(module.weight))
+        start, length, replicas = _rank_rows(module, style, options, tp, rank, name)
         if style == "vocab_embedding":
-            start, length = _split(
-                module.num_embeddings, tp, rank, f"{name} (vocabulary; pad it with model.make_vocab_size_divisible_by)"
-            )
             new = VocabParallelEmbedding.from_embedding(module, start, length, weight=tied, **common)
         elif style == "rowwise":
-            start, length = _split(module.in_features, tp, rank, f"{name} (input features)")
             new = RowParallelLinear.from_linear(
                 module, start, length, async_communication=async_communication, **common
             )
         else:
-            replicas = 1
-            if style == "colwise_kv":
-                start, length, replicas = _kv_rows(module, options, tp, rank, name)
-            else:
-                start, length = _split(module.out_features, tp, rank, f"{name} (output features)")
             cls = {"lm_head": VocabParallelLMHead, "colwise_local": LocalColumnLinear}.get(style, ColumnParallelLinear)
             new = cls.from_linear(
                 module, start, length, weight=tied, replicas=replicas, async_communication=async_communication, **common

@@ -311,6 +311,12 @@ def search_torchtitan(row: tuple, hardware, path: str, top: int, own_step: float
 # what 2021's Megatron-LM offered (`plan --search --only`): no ZeRO, full recompute, tensor parallelism
 # without sequence parallelism, no context parallelism, its two schedules
 MEGATRON_2021 = "zero=0,recompute=full,tp_mode=ALL_REDUCE,cp=1,schedule=1f1b|interleaved"
+# --searches: name -> (--only, what it is called)
+SEARCHES = {
+    "every": (None, "plan --search"),
+    "2021": (MEGATRON_2021, "with 2021's options"),
+    "2021-mbs1": (MEGATRON_2021 + ",micro_batch_size=1", "and micro-batch 1"),
+}
 
 
 def search_row(row: tuple, hardware: str, path: str, top: int, own_step: float, only: str | None = None) -> dict:
@@ -361,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--search-titan", action="store_true", help="also rank torchtitan's 8-GPU layout in plan --search")
     p.add_argument(
-        "--only-2021", action="store_true", help="--search among 2021's options only (MEGATRON_2021), not every layout"
+        "--searches",
+        default=",".join(SEARCHES),
+        help="the searches of each --search row: every (layout), 2021 (2021's options), 2021-mbs1 (and micro-batch 1)",
     )
     p.add_argument("--no-h100", action="store_true", help="Megatron's table only (not the H100 runs)")
     p.add_argument("--json", default=None)
@@ -384,14 +392,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             if str(row[0]) in args.search.split(",") or f"{row[0]:g}" in args.search.split(","):
                 step = r["predicted_step_seconds"]
-                if not args.only_2021:
-                    r["search"] = search_row(row, args.hardware, r["config"], args.top, step)
-                r["search_2021"] = search_row(row, args.hardware, r["config"], args.top, step, MEGATRON_2021)
-                searched = [
-                    (r[k], what)
-                    for k, what in (("search", "plan --search"), ("search_2021", "with 2021's options"))
-                    if k in r
-                ]
+                searched = []
+                for kind in args.searches.split(","):
+                    only, what = SEARCHES[kind]
+                    r[f"search_{kind}"] = search_row(row, args.hardware, r["config"], args.top, step, only)
+                    searched.append((r[f"search_{kind}"], what))
                 for found, what in searched:
                     where = found["published_rank"] or f"below the top {args.top}"
                     print(

@@ -68,3 +68,18 @@ def test_published_h100_runs_are_predicted_from_the_h100_description(tmp_path):
     for r in tp8:
         assert 0.75 <= r["ratio"] <= 1.25, r
         assert r["predicted_step_seconds"] == pytest.approx(sum(r["terms"].values()))
+
+
+def test_search_ranks_the_published_1_7b_layout_among_its_top_5_with_2021s_options(tmp_path):
+    """`plan --search` on the 1.7B row's 32 A100s, among what 2021's Megatron offered and micro-batch 1
+    (as the row is predicted): the published dp32 layout ranks 4th, behind pipelines of interleaved
+    stages within 5 % of it (docs/planning.md's table)."""
+    m = _module()
+    out = tmp_path / "r.json"
+    argv = ["--rows", "1.7", "--search", "1.7", "--searches", "2021-mbs1", "--no-h100", "--top", "5"]
+    assert m.main([*argv, "--json", str(out)]) == 0
+    found = json.loads(out.read_text())["rows"][0]["search_2021-mbs1"]
+    assert found["published_rank"] == 4, found
+    assert 1.0 < found["first_choice_speedup"] < 1.05
+    assert "interleaved" in found["first_choice"] and "recompute full" in found["first_choice"]
+    assert all(label.endswith("recompute full") and "mbs 1 x" in label for label, _ in found["top"])

@@ -6,9 +6,10 @@ Every layout trains the same float32 LLaMA on random tokens with the same global
 processes (one thread each) unless it says otherwise; the `moe_` layouts train a Mixtral of the same
 shape (4 experts of the hidden width, top-2) instead, with and without expert parallelism. The rank
 correlation is over the LLaMA layouts (one model); each MoE layout's ratio is printed beside them.
-Under expert parallelism the run's logged `moe_rank_load` (the busiest expert-parallel rank's routed
-tokens over its share, median over the timed steps) is fed back as the expert-load factor, as a user
-would with `nanocore plan --expert-load-factor`.
+Under expert parallelism the run's logged `moe_sync_load` (each dispatch's busiest expert-parallel
+rank's routed rows over its share, the mean over a step's dispatches; median over the timed steps)
+is fed back as the expert-load factor, as a user would with `nanocore plan --expert-load-factor`;
+`moe_rank_load` (the same over the whole step, what sizes memory) is printed beside it.
 Rounds alternate the layouts (the order rotates every round) and each figure is the median over
 rounds and timed steps.
 
@@ -94,15 +95,16 @@ def raw_config(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any]
 
 
 class _Loads:
-    """A plugin recording each step's `moe_rank_load` (logged under expert parallelism)."""
+    """A plugin recording each step's `moe_rank_load` and `moe_sync_load` (logged under expert parallelism)."""
 
     def __init__(self) -> None:
-        self.seen: list[float] = []
+        self.seen: dict[str, list[float]] = {"moe_rank_load": [], "moe_sync_load": []}
 
     @hookimpl
     def on_step_end(self, step: int, metrics: dict[str, float], trainer: object) -> None:
-        if "moe_rank_load" in metrics:
-            self.seen.append(metrics["moe_rank_load"])
+        for name, seen in self.seen.items():
+            if name in metrics:
+                seen.append(metrics[name])
 
 
 def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> None:
@@ -119,8 +121,8 @@ def _rank(rank: int, world: int, raw: dict, store: str, steps: int, results) -> 
                 took.append(time.perf_counter() - start)
     finally:
         trainer.close()
-    rank_load = statistics.median(loads.seen) if loads.seen else None
-    results.put((rank, {"step_s": statistics.median(took), "losses": losses, "moe_rank_load": rank_load}))
+    got = {name: statistics.median(seen) if seen else None for name, seen in loads.seen.items()}
+    results.put((rank, {"step_s": statistics.median(took), "losses": losses, **got}))
 
 
 def predicted_step(args: argparse.Namespace, name: str, hardware_path: str, load: float = 1.0) -> dict[str, Any]:
@@ -192,12 +194,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for name in names:
         if earlier:
             measured, loss = earlier[name]["measured_step_seconds"], earlier[name]["step1_loss"]
-            load = earlier[name].get("moe_rank_load")
+            rank_load = earlier[name].get("moe_rank_load")
+            load = earlier[name].get("moe_sync_load") or rank_load  # files from before moe_sync_load
         else:
             measured = statistics.median(max(g["step_s"] for g in got) for got in runs[name])
             loss = runs[name][0][0]["losses"][0]
-            loads = [g["moe_rank_load"] for got in runs[name] for g in got if g.get("moe_rank_load") is not None]
-            load = statistics.median(loads) if loads else None
+            rank_load, load = (
+                statistics.median(seen) if (seen := [g[key] for got in runs[name] for g in got if g.get(key)]) else None
+                for key in ("moe_rank_load", "moe_sync_load")
+            )
         # the run's measured routing imbalance fed back, as a user would: plan --expert-load-factor
         predicted = predicted_step(args, name, hardware, load or 1.0)
         rows.append(
@@ -212,7 +217,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 "dominant": predicted["dominant"],
                 "terms": predicted["terms"],
                 "step1_loss": loss,
-                "moe_rank_load": load,
+                "moe_rank_load": rank_load,
+                "moe_sync_load": load,
             }
         )
     dense = [r for r in rows if not r["layout"].startswith("moe_")] or rows  # one model's layouts
@@ -241,7 +247,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(
             f"{r['layout']:>20} {r['measured_step_seconds']:>10.3f} {r['predicted_step_seconds']:>11.3f} "
             f"{r['predicted_over_measured']:>9.2f} {r['measured_tokens_per_second']:>9.0f} {r['dominant']:>16}"
-            + (f"  (moe_rank_load {r['moe_rank_load']:.2f} fed back)" if r["moe_rank_load"] else "")
+            + (
+                f"  (moe_sync_load {r['moe_sync_load']:.2f} fed back; moe_rank_load {r['moe_rank_load']:.2f})"
+                if r["moe_sync_load"]
+                else ""
+            )
         )
     print(
         f"within 25 %: {summary['within_25_percent']} of {len(rows)}; Spearman {rho:.2f}; the model's first "

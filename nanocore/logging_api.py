@@ -4,7 +4,8 @@ Loggers are created on the logging rank only (global rank 0). A training row (`n
 `Trainer._metrics`, README "What a run writes") has `step, lm_loss, lr, grad_norm, tokens_per_sec,
 tokens_per_sec_per_gpu, consumed_tokens, peak_memory_mb`, `mfu` where the device's peak FLOPs are known,
 and whatever the engine measured (`StepOutput.metrics`: a mixture of experts adds `moe_aux_loss`,
-`moe_z_loss` when the z-loss is on, `moe_max_load`, and `moe_rank_load` under expert parallelism).
+`moe_z_loss` when the z-loss is on, `moe_max_load`, and `moe_rank_load` and `moe_sync_load` under expert
+parallelism).
 A validation row has `step, val_lm_loss`.
 """
 

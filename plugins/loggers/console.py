@@ -73,6 +73,7 @@ class ConsoleLogger:
             ("moe_aux_loss", "aux"),
             ("moe_max_load", "max_load"),
             ("moe_rank_load", "rank_load"),
+            ("moe_sync_load", "sync_load"),
             ("lr", "lr"),
             ("tokens_per_sec", "tok/s"),
             ("mfu", "mfu"),

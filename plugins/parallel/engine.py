@@ -45,7 +45,7 @@ from .context_parallel import ContextParallel
 from .data_parallel import DataParallel, ReplicatedGradients, real_elements
 from .data_parallel_zero2 import ShardedGradients
 from .data_parallel_zero3 import ShardedParameters
-from .expert_parallel import ExpertParallel, is_expert
+from .expert_parallel import ExpertParallel, is_expert, sync_load
 from .expert_statistics import StepRoutingStatistics
 from .float8 import apply_float8
 from .grad_norm import global_grad_norm
@@ -259,6 +259,7 @@ class ParallelEngine:
         # auxiliary losses: the mean over micro-batches. Each cp rank back-propagates the micro-batch's
         # loss through its own tokens only and DP x CP averages, so each gets cp times the weight.
         self.experts.grad_scale = self.grid.cp / len(micro_batches)
+        self.experts.pop_received()  # what an evaluation dispatched since the last step does not count
         if self.prediction is not None:
             self.prediction.start_step(len(micro_batches))
         with self.first_step:
@@ -271,8 +272,10 @@ class ParallelEngine:
         assert self.local is not None
         routing = None
         if self.local.moe_layers:
+            received = self.experts.pop_received()
+            sync = sync_load(received, self.grid.ep_group, self.grid.ep, self.device)
             routing = StepRoutingStatistics.of_step(
-                self.moe_local, len(self.local.moe_layers), self.local.moe_experts, self.grid
+                self.moe_local, len(self.local.moe_layers), self.local.moe_experts, self.grid, sync
             )
         metrics = routing.metrics(self.grid.ep) if routing is not None else {}
         if self.prediction is not None:  # every rank takes part: the losses live on the last stage

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanocore.moe_api import MoELayer, moe_layers
+from nanocore.moe_api import MoELayer, moe_layers, recomputing
 from nanocore.sharding import get_placement, set_placement
 
 EXPERT_ATTR = "_nanocore_expert"
@@ -57,6 +57,13 @@ class ExpertParallel:
         self.group, self.ep_size, self.ep_rank = ep_group, ep_size, ep_rank
         self.token_group = token_group
         self.grad_scale = 1.0
+        self.received: list[int] = []  # rows each dispatch since `pop_received` brought this rank
+
+    def pop_received(self) -> list[int]:
+        """The rows each forward dispatch since the last call brought this rank (recomputation's
+        dispatches left out), in call order: the same dispatches on every rank of the group."""
+        received, self.received = self.received, []
+        return received
 
     @torch.compiler.disable  # all-to-all with data-dependent sizes: eager inside a compiled layer
     def dispatch(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, list[int], Any]:
@@ -69,6 +76,8 @@ class ExpertParallel:
         dist.all_to_all_single(incoming, counts.contiguous(), group=self.group)
         send = counts.sum(1).tolist()
         recv = incoming.sum(1).tolist()
+        if not recomputing():
+            self.received.append(sum(recv))
         arrived = _AllToAll.apply(x, send, recv, self.group)
         # arrival order is (peer, local expert); regroup it as (local expert, peer)
         expert_of_row = torch.repeat_interleave(
@@ -106,6 +115,22 @@ class ExpertParallel:
         t = t.detach().clone()
         dist.all_reduce(t, group=self.token_group)
         return t
+
+
+def sync_load(received: list[int], group, ep: int, device: torch.device) -> tuple[float, int]:
+    """(the sum over dispatches of the busiest rank's rows over the balanced share, the dispatches)
+    of this ep group, from each rank's `pop_received`: each dispatch's combine waits for the busiest
+    rank's experts, so the mean share is what a step's expert compute is stretched by."""
+    if ep <= 1 or not received:
+        return 0.0, 0
+    mine = torch.tensor(received, dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(ep)]
+    dist.all_gather(every, mine, group=group)
+    rows = torch.stack(every).cpu()
+    total = rows.sum(0)
+    busy = total > 0
+    shares = rows.max(0).values[busy] / (total[busy] / ep)
+    return float(shares.sum()), int(busy.sum())
 
 
 def shard_experts(model: nn.Module, ep_size: int, ep_rank: int) -> None:

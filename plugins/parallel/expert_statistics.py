@@ -26,22 +26,36 @@ class StepRoutingStatistics:
     micro_batches: torch.Tensor  # [layers]: recorded micro-batches
     has_aux_loss: torch.Tensor  # [layers]: > 0 where the layer computes one
     has_z_loss: torch.Tensor  # [layers]: > 0 where the layer computes one
+    # under expert parallelism: [1] each, the sum over the step's forward dispatches of every ep group
+    # of the busiest rank's rows over the balanced share, and how many dispatches (`sync_load`)
+    sync_shares: torch.Tensor
+    sync_dispatches: torch.Tensor
 
     @classmethod
     def zeros(cls, layers: int, experts: int) -> StepRoutingStatistics:
         def zero(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.float64)
 
-        return cls(zero(layers, experts), zero(layers), zero(layers), zero(layers), zero(layers), zero(layers))
+        fields = (zero(layers, experts), zero(layers), zero(layers), zero(layers), zero(layers), zero(layers))
+        return cls(*fields, zero(1), zero(1))
 
     @classmethod
-    def of_step(cls, local: dict[int, MoELayer], layers: int, experts: int, grid: ProcessGrid) -> StepRoutingStatistics:
+    def of_step(
+        cls,
+        local: dict[int, MoELayer],
+        layers: int,
+        experts: int,
+        grid: ProcessGrid,
+        sync: tuple[float, int] = (0.0, 0),
+    ) -> StepRoutingStatistics:
         """What the `layers` MoE layers of the model saw this step, summed over every rank; `local` maps
-        an index among them to this rank's layer."""
+        an index among them to this rank's layer; `sync`: this rank's ep group's `sync_load`."""
         stats = cls.zeros(layers, experts)
         keep = grid.tp_rank == 0 and grid.cp_rank == 0  # TP and CP ranks hold the same (summed) figures
         for index, layer in local.items():
             stats.record(index, layer, keep)
+        if keep and grid.ep_rank == 0:  # the group's ranks hold the same figures
+            stats.sync_shares[0], stats.sync_dispatches[0] = sync
         if grid.distributed:
             stats.all_reduce(grid.device)
         return stats
@@ -87,8 +101,13 @@ class StepRoutingStatistics:
         dispatch does), `moe_rank_load`: the busiest ep rank's routed tokens summed over the sparse
         layers, over the balanced share. That is what the memory plan's `--expert-load-factor` means
         (a rank holds every sparse layer's routed activations at once), between 1 and ep; moe_max_load
-        can reach experts / top_k even when every rank gets its share. Empty when a layer recorded no
-        forward (e.g. a step of evaluation only)."""
+        can reach experts / top_k even when every rank gets its share. `moe_sync_load` (under expert
+        parallelism too): each forward dispatch's busiest ep rank's rows over the balanced share, the
+        mean over the step's dispatches: each dispatch's combine waits for that rank's experts, so it
+        is what stretches a step's expert compute (the time model's expert-load factor). Every
+        dispatch carries the same slots (tokens x top-k), so it is at least moe_rank_load (a mean of
+        maxima, not the maximum of a mean) and a memory plan made with it is safe too. Empty
+        when a layer recorded no forward (e.g. a step of evaluation only)."""
         batches = self.micro_batches
         if not bool((batches > 0).all()):
             return {}
@@ -105,4 +124,6 @@ class StepRoutingStatistics:
         if ep > 1 and experts % ep == 0 and total > 0:
             per_rank = counts.reshape(layers, ep, experts // ep).sum(dim=(0, 2))
             metrics["moe_rank_load"] = float(per_rank.max()) / (total / ep)
+        if ep > 1 and float(self.sync_dispatches[0]) > 0:
+            metrics["moe_sync_load"] = float(self.sync_shares[0] / self.sync_dispatches[0])
         return metrics

@@ -7,7 +7,9 @@ and the rank holding it gets every routed token of both data-parallel ranks. The
 `moe_rank_load` (the busiest ep rank's routed tokens over all layers, over the balanced share:
 what the plan's factor means). Fed back as `--expert-load-factor`, moe_rank_load plans the busiest
 rank's peak within 15 % (issue 24, item 6); moe_max_load, capped at ep, is the worst case and plans
-more.
+more. `moe_sync_load` (each dispatch's busiest rank's rows over the balanced share, the mean over the
+step's dispatches: what the time model's factor means) is ep (within a boundary token): every
+dispatch sends every slot to one rank, though over a step the two ranks can share the work.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def test_a_fed_back_load_factor_plans_the_busiest_ranks_peak(tmp_path):
     assert max(row["moe_max_load"] for row in rows) == pytest.approx(4.0, rel=0.02)  # one expert of four, each layer
     rank_load = max(row["moe_rank_load"] for row in rows)
     assert 1.0 < rank_load <= 2.0  # which rank's expert wins differs by layer: between balanced and all on one
+    # each dispatch sends every slot (but a boundary token's) to one rank: ep
+    assert all(row["moe_sync_load"] == pytest.approx(2.0, rel=1e-3) for row in rows)
 
     registries = load_plugins().registries
     config = structure_config(raw, registries)

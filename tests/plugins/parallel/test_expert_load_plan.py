@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from nanocore.config.load import load_config
 from nanocore.plan import plan_for
@@ -66,3 +67,19 @@ def test_a_run_logs_the_busiest_ep_ranks_load_the_factor_means():
     stats.tokens_per_expert = torch.tensor([[8.0, 0, 0, 0], [8.0, 0, 0, 0]], dtype=torch.float64)
     assert stats.metrics(ep=4)["moe_rank_load"] == 4.0  # expert 0 takes everything, twice: ep is the most
     assert "moe_rank_load" not in stats.metrics()  # no expert parallelism
+
+
+def test_a_run_logs_the_mean_busiest_share_of_its_dispatches():
+    """moe_sync_load: each dispatch's busiest ep rank's rows over the balanced share, the mean over the
+    step's dispatches of every ep group (`sync_load` gives each group's sum and count); only under
+    expert parallelism."""
+    from plugins.parallel.expert_statistics import StepRoutingStatistics
+
+    stats = StepRoutingStatistics.zeros(2, 4)
+    stats.micro_batches += 1
+    stats.tokens_per_expert = torch.tensor([[4.0, 4, 4, 4], [4, 4, 4, 4]], dtype=torch.float64)
+    stats.sync_shares[0], stats.sync_dispatches[0] = 2.0 + 1.0 + 1.5, 3  # three dispatches
+    metrics = stats.metrics(ep=2)
+    assert metrics["moe_rank_load"] == pytest.approx(1.0)  # balanced over the step
+    assert metrics["moe_sync_load"] == pytest.approx(1.5)  # but not within each dispatch
+    assert "moe_sync_load" not in stats.metrics(ep=1)

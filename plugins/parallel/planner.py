@@ -62,7 +62,7 @@ from nanocore.dtypes import resolve_dtype_name
 from nanocore.engine_api import MemoryPlan, PlannedLayout, RankPlan
 from nanocore.model_api import is_hidden_matrix
 from nanocore.pipeline_api import Action, stage_of
-from nanocore.pipeline_sim import simulate
+from nanocore.pipeline_sim import SimResult, simulate
 from nanocore.registry import Entry, Registries
 from nanocore.sharding import get_placement, row_share
 from nanocore.tp_api import TPMode
@@ -80,6 +80,7 @@ _RANK_PARTS: dict[tuple[object, ...], tuple[nn.Module, dict[str, float] | None, 
 # shares its parameters and buffers
 _WHOLE: dict[tuple[object, ...], tuple[nn.Module, dict[str, float] | None, dict[int, object]]] = {}
 _PRUNED = nn.Identity()  # what a rank part holds in place of another stage's blocks
+_SIMULATED: dict[tuple[str, int, int, int], SimResult] = {}  # (schedule, pp, micro-batches, virtual)
 
 
 def _whole_model(
@@ -101,16 +102,25 @@ def _whole_model(
 
 
 def _pipeline_part(
-    model: nn.Module, shared: dict[int, object], pp: int, pp_rank: int, virtual: int, schedule: object
+    model: nn.Module,
+    shared: dict[int, object],
+    pp: int,
+    pp_rank: int,
+    virtual: int,
+    schedule: object,
+    changes: bool,
 ) -> tuple[nn.Module, list[list[list[str]]]]:
     """A copy of `model` holding only this pipeline rank's chunks (every other pipeline block an
     nn.Identity, as `keep_rank_part` leaves them) and those chunks. The copy shares the parameters and
     buffers of the blocks it keeps (`shared`): `plan` reads them and never changes them, and
     parallelising a part or sharding its experts replaces parameters, never alters them. Copying
     the kept blocks costs a fraction of building and parallelising the whole model once per rank (a
-    1T model's 64 stages x 8 TP ranks)."""
+    1T model's 64 stages x 8 TP ranks). Where the rank holds every block and nothing will swap
+    its modules (`changes` False: no TP, experts not split), the whole model itself."""
     all_chunks = partition(model.pipeline_blocks(), pp * virtual)
     ids = [stage_of(schedule, v, pp_rank, pp, virtual) for v in range(virtual)]
+    if len(ids) == len(all_chunks) and not changes:  # the whole model, and nothing will change it
+        return model, all_chunks
     memo = dict(shared)
     for index, chunk in enumerate(all_chunks):
         if index not in ids:
@@ -136,7 +146,9 @@ def _rank_part(
         if len(_RANK_PARTS) > 1024:
             _RANK_PARTS.clear()
         whole, declared, shared = _whole_model(config, model_entry, tp)
-        model, local_chunks = _pipeline_part(whole, shared, pp, pp_rank, par.pp_virtual_stages, schedule)
+        model, local_chunks = _pipeline_part(
+            whole, shared, pp, pp_rank, par.pp_virtual_stages, schedule, tp > 1 or ep > 1
+        )
         if tp > 1:
             assert tp_mode is not None
             tp_parallelize(model, model.tp_plan, PlannedGroup(tp, tp_rank), tp_mode, par.tp_linear_async_communication)
@@ -176,7 +188,12 @@ def plan(config: Config, registries: Registries, device: str = "cuda", expert_lo
     chunks = pp * par.pp_virtual_stages
     microbatches = tokens.batch_accumulation_per_replica
     schedule = registries.pipeline_schedule.get(par.pp_engine).factory(config)
-    simulated = simulate(schedule, pp, microbatches, par.pp_virtual_stages)
+    shape = (par.pp_engine, pp, microbatches, par.pp_virtual_stages)
+    if shape not in _SIMULATED:
+        if len(_SIMULATED) > 256:
+            _SIMULATED.clear()
+        _SIMULATED[shape] = simulate(schedule, pp, microbatches, par.pp_virtual_stages)
+    simulated = _SIMULATED[shape]
     in_flight = simulated.peak_in_flight
     orders = [[timed.action for timed in timeline] for timeline in simulated.timelines]  # each rank's actions
     mb_tokens = tokens.micro_batch_size * tokens.sequence_length / cp
@@ -273,8 +290,7 @@ def plan(config: Config, registries: Registries, device: str = "cuda", expert_lo
                     total_bytes=int(total),
                 )
             )
-    with torch.device("meta"):
-        whole = model_entry.factory(config.model, vocab_multiple=config.model.make_vocab_size_divisible_by)
+    whole = _whole_model(config, model_entry, 1)[0]  # the vocabulary padded as for one device
     per_token = float(whole.flops_per_token(tokens.sequence_length))
     global_tokens = dp * tokens.micro_batch_size * microbatches * tokens.sequence_length
     recompute_factor = {"full": 4 / 3, "selective": 1.0, None: 1.0}[par.recompute]

@@ -76,58 +76,61 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 _RANK_PARTS: dict[tuple[object, ...], tuple[nn.Module, dict[str, float] | None, list[list[list[str]]]]] = {}
-# model key -> the whole model on meta, its declared activation elements, and a deepcopy memo that
-# shares its parameters and buffers
-_WHOLE: dict[tuple[object, ...], tuple[nn.Module, dict[str, float] | None, dict[int, object]]] = {}
+# model key -> the whole model on meta and its declared activation elements
+_WHOLE: dict[tuple[object, ...], tuple[nn.Module, dict[str, float] | None]] = {}
 _PRUNED = nn.Identity()  # what a rank part holds in place of another stage's blocks
 _SIMULATED: dict[tuple[str, int, int, int], SimResult] = {}  # (schedule, pp, micro-batches, virtual)
 
 
-def _whole_model(
-    config: Config, model_entry: Entry, tp: int
-) -> tuple[nn.Module, dict[str, float] | None, dict[int, object]]:
-    """The whole single-device model on meta (its vocabulary padded for `tp`), its declared
-    activation elements and a deepcopy memo sharing its tensors; built once per model and tp: every
-    rank part is cut from it."""
+def _whole_model(config: Config, model_entry: Entry, tp: int) -> tuple[nn.Module, dict[str, float] | None]:
+    """The whole single-device model on meta (its vocabulary padded for `tp`) and its declared
+    activation elements; built once per model and tp: every rank part is cut from it."""
     multiple = config.model.make_vocab_size_divisible_by * tp
     key = (model_key(config.model), model_entry.name, multiple)
     if key not in _WHOLE:
         if len(_WHOLE) > 16:
             _WHOLE.clear()
         model = meta_model(model_entry, config.model, vocab_multiple=multiple)
-        shared: dict[int, object] = {id(t): t for t in model.parameters()}
-        shared.update({id(t): t for t in model.buffers()})
-        _WHOLE[key] = (model, _activation_elements(model), shared)
+        _WHOLE[key] = (model, _activation_elements(model))
     return _WHOLE[key]
 
 
+def _tree_copy(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+    """A copy of the module tree under `module`: new module objects with the same attributes, sharing
+    their parameters and buffers; `memo` maps a module's id to what stands for it (a module met
+    twice is copied once; a pruned one is `_PRUNED`)."""
+    if id(module) in memo:
+        return memo[id(module)]
+    new = copy.copy(module)
+    memo[id(module)] = new
+    new._parameters = dict(module._parameters)
+    new._buffers = dict(module._buffers)
+    new._modules = {name: None if child is None else _tree_copy(child, memo) for name, child in module._modules.items()}
+    return new
+
+
 def _pipeline_part(
-    model: nn.Module,
-    shared: dict[int, object],
-    pp: int,
-    pp_rank: int,
-    virtual: int,
-    schedule: object,
-    changes: bool,
+    model: nn.Module, pp: int, pp_rank: int, virtual: int, schedule: object, changes: bool
 ) -> tuple[nn.Module, list[list[list[str]]]]:
     """A copy of `model` holding only this pipeline rank's chunks (every other pipeline block an
-    nn.Identity, as `keep_rank_part` leaves them) and those chunks. The copy shares the parameters and
-    buffers of the blocks it keeps (`shared`): `plan` reads them and never changes them, and
-    parallelising a part or sharding its experts replaces parameters, never alters them. Copying
-    the kept blocks costs a fraction of building and parallelising the whole model once per rank (a
-    1T model's 64 stages x 8 TP ranks). Where the rank holds every block and nothing will swap
-    its modules (`changes` False: no TP, experts not split), the whole model itself."""
+    nn.Identity, as `keep_rank_part` leaves them) and those chunks. The copy's modules are new and
+    share the parameters and buffers of the blocks it keeps: `plan` reads them and never changes
+    them, and parallelising a part or sharding its experts swaps modules and parameters, never
+    alters one. Copying the kept blocks' module tree costs a fraction of building and parallelising
+    the whole model once per rank (a 1T model's 64 stages x 8 TP ranks). Where the rank holds every
+    block and nothing will swap its modules (`changes` False: no TP, experts not split), the whole
+    model itself."""
     all_chunks = partition(model.pipeline_blocks(), pp * virtual)
     ids = [stage_of(schedule, v, pp_rank, pp, virtual) for v in range(virtual)]
     if len(ids) == len(all_chunks) and not changes:  # the whole model, and nothing will change it
         return model, all_chunks
-    memo = dict(shared)
+    memo: dict[int, nn.Module] = {}
     for index, chunk in enumerate(all_chunks):
         if index not in ids:
             for block in chunk:
                 for name in block:
                     memo[id(model.get_submodule(name))] = _PRUNED
-    return copy.deepcopy(model, memo), [all_chunks[i] for i in ids]
+    return _tree_copy(model, memo), [all_chunks[i] for i in ids]
 
 
 def _rank_part(
@@ -145,10 +148,8 @@ def _rank_part(
     if key not in _RANK_PARTS:
         if len(_RANK_PARTS) > 1024:
             _RANK_PARTS.clear()
-        whole, declared, shared = _whole_model(config, model_entry, tp)
-        model, local_chunks = _pipeline_part(
-            whole, shared, pp, pp_rank, par.pp_virtual_stages, schedule, tp > 1 or ep > 1
-        )
+        whole, declared = _whole_model(config, model_entry, tp)
+        model, local_chunks = _pipeline_part(whole, pp, pp_rank, par.pp_virtual_stages, schedule, tp > 1 or ep > 1)
         if tp > 1:
             assert tp_mode is not None
             tp_parallelize(model, model.tp_plan, PlannedGroup(tp, tp_rank), tp_mode, par.tp_linear_async_communication)

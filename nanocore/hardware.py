@@ -17,12 +17,19 @@ public datasheet; `nanocore calibrate` writes one for the machine at hand):
     # kinds not listed use the link's two figures
     #   intra_node: {bandwidth: ..., latency: ..., collectives: {all_gather: {bandwidth: ..., latency: ...}}}
     matmul_efficiency: [[1e9, 0.25], [1e11, 0.7]]   # optional: (FLOPs of one matmul, fraction of peak)
+    attention_efficiency:            # optional: the fused attention kernel's own curves
+      forward: [[1e9, 0.3], [1e12, 0.35]]    # (forward FLOPs of one call, fraction of peak)
+      backward: [[1e9, 0.25], [1e12, 0.3]]   # (the same call's forward FLOPs, fraction of peak for 2x them)
 
 Bandwidth is a ring collective's *bus bandwidth* as nccl-tests reports it: the bytes each device
 sends per second, so that an all-reduce of S bytes over n devices takes 2 (n-1)/n S / bandwidth
 plus 2 (n-1) latencies (`Hardware.collective_seconds`). A group whose devices span nodes runs at the
 inter-node figures. The efficiency curve is interpolated on log FLOPs and held flat beyond its ends;
-without one every matmul runs at the peak.
+without one every matmul runs at the peak. The attention core (scaled_dot_product_attention: a fused
+kernel, not two matmuls) runs at `attention_efficiency` where the description has it: its backward
+counts twice the forward's FLOPs, whatever the kernel recomputes (a flash kernel recomputes the
+scores), so the backward curve absorbs that; without one it runs at the matmul curve, the backward
+at twice the forward's time.
 """
 
 from __future__ import annotations
@@ -68,6 +75,29 @@ def _log_sizes(curve: tuple[tuple[float, float], ...]) -> tuple[float, ...]:
     return tuple(math.log(max(x, 1.0)) for x, _ in curve)
 
 
+def _interpolate(curve: tuple[tuple[float, float], ...], flops: float) -> float:
+    """A (FLOPs, fraction of peak) curve at `flops`: log-interpolated, held flat beyond its ends."""
+    xs = _log_sizes(curve)
+    x = math.log(max(flops, 1.0))
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return curve[0][1]
+    if i == len(curve):
+        return curve[-1][1]
+    t = (x - xs[i - 1]) / (xs[i] - xs[i - 1]) if xs[i] > xs[i - 1] else 1.0
+    return curve[i - 1][1] + t * (curve[i][1] - curve[i - 1][1])
+
+
+@attrs.frozen
+class AttentionEfficiency:
+    """The fused attention kernel's achieved fraction of the peak, per pass, over the forward FLOPs of
+    one call (the causal half counted); the backward's fraction is of twice those FLOPs (what the
+    model counts), whatever the kernel recomputes."""
+
+    forward: tuple[tuple[float, float], ...]
+    backward: tuple[tuple[float, float], ...]
+
+
 @attrs.frozen
 class Hardware:
     """A device type and how its devices are connected (see the module docstring)."""
@@ -85,6 +115,7 @@ class Hardware:
     # the share of compute running beside a collective that hides it: 1 where communication has its
     # own engine (NCCL on a GPU), near 0 where compute and the collective share the same cores
     compute_overlap: float = 1.0
+    attention_efficiency: AttentionEfficiency | None = None  # None: the attention core at the matmul curve
 
     def memory_bound_seconds(self, ops: float, size_bytes: float) -> float:
         """Time of `ops` non-matmul ops moving `size_bytes` bytes in all: each op's overhead plus the
@@ -103,24 +134,25 @@ class Hardware:
 
     def efficiency(self, flops: float) -> float:
         """Achieved fraction of the peak for one matmul of `flops` FLOPs (the curve, log-interpolated)."""
-        curve = self.matmul_efficiency
-        if not curve:
-            return 1.0
-        xs = _log_sizes(curve)
-        x = math.log(max(flops, 1.0))
-        i = bisect.bisect_left(xs, x)
-        if i == 0:
-            return curve[0][1]
-        if i == len(curve):
-            return curve[-1][1]
-        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1]) if xs[i] > xs[i - 1] else 1.0
-        return curve[i - 1][1] + t * (curve[i][1] - curve[i - 1][1])
+        return _interpolate(self.matmul_efficiency, flops) if self.matmul_efficiency else 1.0
 
     def matmul_seconds(self, flops: float, dtype: str) -> float:
         """Time of one matmul of `flops` FLOPs in `dtype` at the curve's efficiency for its size."""
         if flops <= 0:
             return 0.0
         return flops / (self.peak(dtype) * self.efficiency(flops))
+
+    def attention_seconds(self, flops: float, dtype: str, backward: bool = False) -> float:
+        """Time of one attention-core call of `flops` forward FLOPs in `dtype`: its forward, or (with
+        `backward`) its backward, which counts twice those FLOPs. At `attention_efficiency` where the
+        description has it, else as one matmul of `flops` (the backward twice that)."""
+        if flops <= 0:
+            return 0.0
+        curves = self.attention_efficiency
+        if curves is None:
+            return (2.0 if backward else 1.0) * self.matmul_seconds(flops, dtype)
+        work = 2.0 * flops if backward else flops
+        return work / (self.peak(dtype) * _interpolate(curves.backward if backward else curves.forward, flops))
 
     def link(self, group_size: int, stride: int = 1) -> Link:
         """The link a ring over `group_size` devices, `stride` ranks apart, runs at: NVLink-like within a
@@ -226,6 +258,7 @@ def parse_hardware(data: object, origin: str) -> Hardware:
         "matmul_efficiency",
         "op_overhead",
         "compute_overlap",
+        "attention_efficiency",
         "measured",
     }
     for key in data:
@@ -283,20 +316,22 @@ def parse_hardware(data: object, origin: str) -> Hardware:
     overlap = _number(data.get("compute_overlap", 1.0), f"{origin}: compute_overlap", problems, positive=False)
     if not math.isnan(overlap) and not 0 <= overlap <= 1:
         problems.append(f"{origin}: compute_overlap: expected a share from 0 to 1, got {data['compute_overlap']!r}")
-    curve: list[tuple[float, float]] = []
-    raw_curve = data.get("matmul_efficiency") or []
-    if not isinstance(raw_curve, list):
-        problems.append(f"{origin}: matmul_efficiency: expected a list of [FLOPs, fraction of peak] pairs")
-        raw_curve = []
-    for i, point in enumerate(raw_curve):
-        where = f"{origin}: matmul_efficiency[{i}]"
-        if not isinstance(point, list | tuple) or len(point) != 2:
-            problems.append(f"{where}: expected [FLOPs of one matmul, fraction of peak], got {point!r}")
-            continue
-        flops, fraction = _number(point[0], where, problems), _number(point[1], where, problems)
-        if fraction > 1:
-            problems.append(f"{where}: a fraction of the peak above 1 ({fraction}): raise peak_flops instead")
-        curve.append((flops, fraction))
+    curve = _curve(data.get("matmul_efficiency") or [], f"{origin}: matmul_efficiency", "one matmul", problems)
+    attention = None
+    raw_attention = data.get("attention_efficiency")
+    if raw_attention is not None:
+        where = f"{origin}: attention_efficiency"
+        if not isinstance(raw_attention, dict) or set(raw_attention) != {"forward", "backward"}:
+            pairs = "[[FLOPs, fraction of peak], ...]"
+            problems.append(f"{where}: expected {{forward: {pairs}, backward: {pairs}}}")
+        else:
+            passes = [
+                _curve(raw_attention[key], f"{where}.{key}", "one call's forward", problems)
+                for key in ("forward", "backward")
+            ]
+            if not all(passes):
+                problems.append(f"{where}: each pass needs at least one [FLOPs, fraction of peak] point")
+            attention = AttentionEfficiency(tuple(sorted(passes[0])), tuple(sorted(passes[1])))
     if problems:
         raise ConfigError(problems)
     return Hardware(
@@ -311,7 +346,26 @@ def parse_hardware(data: object, origin: str) -> Hardware:
         matmul_efficiency=tuple(sorted(curve)),
         op_overhead=overhead,
         compute_overlap=overlap,
+        attention_efficiency=attention,
     )
+
+
+def _curve(raw: object, where: str, what: str, problems: list[str]) -> list[tuple[float, float]]:
+    """[(FLOPs, fraction of peak), ...] from YAML; problems named by their YAML path."""
+    if not isinstance(raw, list):
+        problems.append(f"{where}: expected a list of [FLOPs, fraction of peak] pairs")
+        return []
+    curve = []
+    for i, point in enumerate(raw):
+        at = f"{where}[{i}]"
+        if not isinstance(point, list | tuple) or len(point) != 2:
+            problems.append(f"{at}: expected [FLOPs of {what}, fraction of peak], got {point!r}")
+            continue
+        flops, fraction = _number(point[0], at, problems), _number(point[1], at, problems)
+        if fraction > 1:
+            problems.append(f"{at}: a fraction of the peak above 1 ({fraction}): raise peak_flops instead")
+        curve.append((flops, fraction))
+    return curve
 
 
 def hardware_to_yaml(hw: Hardware, measured: dict[str, object] | None = None) -> str:
@@ -333,6 +387,10 @@ def hardware_to_yaml(hw: Hardware, measured: dict[str, object] | None = None) ->
         data["op_overhead"] = hw.op_overhead
     if hw.compute_overlap != 1.0:
         data["compute_overlap"] = hw.compute_overlap
+    if hw.attention_efficiency is not None:
+        data["attention_efficiency"] = {
+            k: [[float(f), float(e)] for f, e in getattr(hw.attention_efficiency, k)] for k in ("forward", "backward")
+        }
     if measured:
         data["measured"] = measured
     return yaml.safe_dump(data, sort_keys=False)

@@ -7,6 +7,10 @@ once as in training, measures:
 - matmul throughput over square and training-shaped matmuls in each dtype (float32; bfloat16 too on
   GPU, or with --dtypes): the peak is the best rate, the efficiency curve each size's rate over it,
   the slowest rank's (synchronous training waits for it);
+- the attention core (causal scaled_dot_product_attention) forward and backward over sequences of
+  128-1024 (1,024-8,192 on GPU, in bfloat16), each pass's rate over the matmul peak
+  (`attention_efficiency`): a fused kernel is not a matmul, and on a 2-core CPU it runs at about a
+  third of the matmul peak;
 - all-reduce time over message sizes *as a step pays it*: each all-reduce follows a matmul of about
   a layer's size, and its cost is the mean time of (matmul + all-reduce) less the mean time of the
   matmul alone, the median of 3 alternated rounds. Latency and bus bandwidth are fitted to the ring
@@ -219,6 +223,41 @@ def _collective(kind: str, size: int, rank: int, world: int, device: torch.devic
     return exchange
 
 
+def _forward_backward(forward: Callable[[], torch.Tensor], grad: torch.Tensor) -> None:
+    forward().backward(grad)
+
+
+def _attention(
+    dtypes: list[str], cuda: bool, device: torch.device, seconds: float, sync: Callable[[], None]
+) -> dict[str, Any]:
+    """Causal scaled_dot_product_attention, the model's attention core, over training shapes (the
+    sequence grows, the tokens of a call stay about the same): [forward FLOPs of a call, forward
+    FLOP/s, backward FLOP/s counting twice the forward's FLOPs]. In bfloat16 on GPU where it is
+    measured (the flash kernels' dtype), else in the first dtype."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    name = "bfloat16" if cuda and "bfloat16" in dtypes else dtypes[0]
+    dtype = getattr(torch, name)
+    # (sequences, heads, sequence, head width)
+    shapes = [(max(1, 8192 // s), 32, s, 128) for s in (1024, 2048, 4096, 8192)] if cuda else []
+    shapes += [] if cuda else [(max(1, 1024 // s), 8, s, 32) for s in (128, 256, 512, 1024)]
+    points = []
+    for b, h, s, d in shapes:
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        grad = torch.randn(b, h, s, d, device=device, dtype=dtype)
+        forward = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True)
+        both = functools.partial(_forward_backward, forward, grad)
+        dist.barrier()
+        once = _time(forward, seconds, sync)
+        dist.barrier()
+        twice = _time(both, seconds, sync)
+        flops = 4.0 * b * h * s * s * d * 0.5  # causal: half the score matrix
+        points.append([flops, flops / once, 2 * flops / max(twice - once, 1e-9)])
+    return {"dtype": name, "points": points}
+
+
 def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -257,6 +296,9 @@ def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any)
             out["matmul"][dtype_name] = points
             if rank == 0:
                 print(f"calibrate: matmuls in {dtype_name} measured ({len(points)} shapes)", file=sys.stderr)
+        out["attention"] = _attention(args["dtypes"], cuda, device, args["seconds"], sync)
+        if rank == 0:
+            print(f"calibrate: attention in {out['attention']['dtype']} measured", file=sys.stderr)
         # a layer's matmul before each collective: about 1.5 ms in float32 on one CPU thread, 0.6 ms in
         # bfloat16 on an H100
         k, layer_dtype = (4096, torch.bfloat16) if cuda else (256, torch.float32)
@@ -395,7 +437,7 @@ def _mean_point(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def describe(ranks: list[dict[str, Any]], world: int, threads: int, name: str) -> Hardware:
     """The hardware description of the measurements (the slowest rank's figure for each)."""
-    from nanocore.hardware import Hardware, Link
+    from nanocore.hardware import AttentionEfficiency, Hardware, Link
 
     peaks: dict[str, float] = {}
     curve: list[tuple[float, float]] = []
@@ -408,6 +450,17 @@ def describe(ranks: list[dict[str, Any]], world: int, threads: int, name: str) -
             for f, rate in zip(flops, rates, strict=True):
                 bins.setdefault(round(math.log2(f)), []).append((f, rate / peaks[dtype]))
             curve = [_mean_point(pts) for _, pts in sorted(bins.items())]
+    attention = None
+    if "attention" in ranks[0]:
+        measured = ranks[0]["attention"]
+        peak = peaks[measured["dtype"]]
+        sizes = [p[0] for p in measured["points"]]
+        # the slowest rank's rate of each pass, over the dtype's matmul peak (at most 1)
+        passes = [
+            tuple((f, min(1.0, min(r["attention"]["points"][i][j] for r in ranks) / peak)) for i, f in enumerate(sizes))
+            for j in (1, 2)
+        ]
+        attention = AttentionEfficiency(*passes)
     reduce_points = [[p[0], max(r["all_reduce"][i][1] for r in ranks)] for i, p in enumerate(ranks[0]["all_reduce"])]
     bandwidth, latency = _fit_all_reduce(reduce_points, world)
     kinds = {}
@@ -439,6 +492,7 @@ def describe(ranks: list[dict[str, Any]], world: int, threads: int, name: str) -
         matmul_efficiency=tuple((float(f), float(e)) for f, e in curve),
         op_overhead=max(r["op"] for r in ranks),
         compute_overlap=min(r["overlap"] for r in ranks),
+        attention_efficiency=attention,
     )
 
 
@@ -467,6 +521,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "matmul_flops_per_s": ranks[0]["matmul"],
         "all_reduce_seconds": [r["all_reduce"] for r in ranks],
         "collective_seconds": [r["collectives"] for r in ranks],
+        "attention_flops_per_s": ranks[0]["attention"],
     }
     tmp = output.with_name(output.name + ".tmp")
     tmp.write_text(hardware_to_yaml(hw, measured=raw))
@@ -480,6 +535,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"compute overlap {hw.compute_overlap:.2f}",
         file=sys.stderr,
     )
+    if hw.attention_efficiency is not None:
+        fwd, bwd = hw.attention_efficiency.forward, hw.attention_efficiency.backward
+        print(
+            f"calibrate:   attention: forward {min(e for _, e in fwd):.0%}-{max(e for _, e in fwd):.0%} of the peak, "
+            f"backward {min(e for _, e in bwd):.0%}-{max(e for _, e in bwd):.0%}",
+            file=sys.stderr,
+        )
     for kind, link in hw.intra_node.collectives.items():
         print(
             f"calibrate:   {kind}: bandwidth {link.bandwidth / 1e9:.2f} GB/s, latency {link.latency * 1e6:.1f} us",

@@ -9,7 +9,9 @@ model built on the meta device with the layout's TP (the same parameters the eng
   gradients), each at the hardware's efficiency for its size; an expert matrix gets the tokens its
   router sends it (T / sp x k / E x ep per expert, x the expert-load factor on the busiest rank);
   attention is 4 x (query width / tp) x sequence x T x 1/2 (causal) FLOPs forward per layer, twice
-  that backward;
+  that backward, at the description's `attention_efficiency` where it has one (a fused kernel is
+  not a matmul: on a 2-core CPU it runs at about a third of the matmul peak, FlashAttention-2 on an
+  H100 at 35 %), else at the matmul curve;
 - memory_bound (`memory_bound_seconds`): every other op the block's forward launches (norms,
   activations, rotary, residual adds, casts, copies; the loss on the last block), counted by running
   the block on the meta device under a dispatch mode (`trace_memory_bound`): each op costs the
@@ -421,12 +423,13 @@ def matmul_seconds(block: Block, lay: Layout, hw: Hardware) -> float:
     return total
 
 
-def attention_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware) -> float:
-    """Forward seconds of a layer's attention core (4 x query width / tp x sequence x T FLOPs, causal half)."""
+def attention_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hardware, backward: bool = False) -> float:
+    """Seconds of a layer's attention core (4 x query width / tp x sequence x T FLOPs forward, causal
+    half; backward twice that), at the description's attention efficiency (`Hardware.attention_seconds`)."""
     if not block.attention:
         return 0.0
     flops = 4 * inv.attention_query / lay.tp * lay.sequence * lay.tokens * CAUSAL
-    return hw.matmul_seconds(flops, lay.dtype)
+    return hw.attention_seconds(flops, lay.dtype, backward)
 
 
 def memory_bound_seconds(block: Block, lay: Layout, hw: Hardware) -> float:
@@ -500,6 +503,7 @@ def context_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hard
         copies = hw.memory_bound_seconds(0, 3 * 2 * sum(swapped))
         return swap + copies, swap + copies
     attention = attention_seconds(block, inv, lay, hw)
+    attention_backward = attention_seconds(block, inv, lay, hw, backward=True)
     kv_grad = lay.tokens * inv.attention_key_value / lay.tp * 4  # float32 key/value gradients
     forward = (lay.cp - 1) * hw.collective_seconds("send", kv, 1, stride)
     # backward: the key/value blocks go round again, and each block's gradients travel with them, one
@@ -520,8 +524,8 @@ def context_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hard
     # the compute term's causal attention (forward once, backward twice) is the ring's
     diagonal = 2 * inv.attention_query / lay.tp * lay.tokens**2  # FLOPs of one matmul of the diagonal block
     blocks = hw.matmul_seconds(diagonal, lay.dtype) + (lay.cp - 1) * hw.matmul_seconds(diagonal / 2, lay.dtype)
-    extra = max(0.0, 2 * blocks - attention), max(0.0, 5 * blocks - 2 * attention)
-    exchange = max(0.0, forward - hiding), max(0.0, backward - 2 * hiding)
+    extra = max(0.0, 2 * blocks - attention), max(0.0, 5 * blocks - attention_backward)
+    exchange = max(0.0, forward - hiding), max(0.0, backward - hw.compute_overlap * attention_backward)
     return passes[0] + extra[0] + exchange[0], passes[1] + extra[1] + exchange[1]
 
 
@@ -641,6 +645,7 @@ def _block_costs(blk: Block, inv: Inventory, lay: Layout, hw: Hardware) -> dict[
     costs = {
         "mm": matmul_seconds(blk, lay, hw),
         "att": attention_seconds(blk, inv, lay, hw),
+        "attb": attention_seconds(blk, inv, lay, hw, backward=True),
         "mem": memory_bound_seconds(blk, lay, hw),
         "rec": recompute_seconds(blk, inv, lay, hw),
         **{"tpf": tpf, "tpb": tpb, "cpf": cpf, "cpb": cpb, "epf": epf, "epb": epb},
@@ -670,7 +675,7 @@ def _split_terms(c: dict[str, float], messages: float = 0.0) -> dict[str, float]
     rest, recompute, backward collectives); W the weight gradients (the matmuls once more); B = I + W.
     `messages`: a stage's pipeline message each way."""
     forward = c["mm"] + c["att"] + c["mem"] + c["tpf"] + c["cpf"] + c["epf"] + messages
-    inputs = c["mm"] + 2 * c["att"] + 2 * c["mem"] + c["rec"] + c["tpb"] + c["cpb"] + c["epb"] + messages
+    inputs = c["mm"] + c["attb"] + 2 * c["mem"] + c["rec"] + c["tpb"] + c["cpb"] + c["epb"] + messages
     return {"F": forward, "B": inputs + c["mm"], "I": inputs, "W": c["mm"]}
 
 
@@ -691,7 +696,7 @@ def _stage_terms(inv: Inventory, lay: Layout, hw: Hardware, p2p: float) -> list[
     per_stage = []
     for chunk in partition_indices(len(inv.blocks), lay.pp * lay.virtual):
         blocks = [inv.blocks[b] for b in chunk]
-        sums = dict.fromkeys(("mm", "att", "mem", "rec", "tpf", "tpb", "cpf", "cpb", "epf", "epb"), 0.0)
+        sums = dict.fromkeys(("mm", "att", "attb", "mem", "rec", "tpf", "tpb", "cpf", "cpb", "epf", "epb"), 0.0)
         params = expert_params = tensors = 0
         for blk in blocks:
             if blk not in costs:  # decoder layers are alike: each distinct block costed once
@@ -833,7 +838,7 @@ def _predict(
     where = f"{m} micro-batches of {lay.tokens:g} tokens on stage rank {critical}"
     schedule_name = f"{config.parallelism.pp_engine}, {m} micro-batches, {lay.virtual} virtual stage(s)"
     terms = [
-        TimeTerm("compute", m * 3 * (r["mm"] + r["att"]), where),
+        TimeTerm("compute", m * (3 * r["mm"] + r["att"] + r["attb"]), where),
         TimeTerm("memory_bound", m * 3 * r["mem"], f"{int(r['ops'])} non-matmul ops per micro-batch forward"),
         TimeTerm("recompute", m * r["rec"], f"recompute {lay.recompute or 'off'}"),
         TimeTerm("tensor_parallel", m * (r["tpf"] + r["tpb"]), f"tp {lay.tp}, {config.parallelism.tp_mode}"),

@@ -57,6 +57,10 @@ def test_calibrate_two_processes_writes_a_description_plan_reads(tmp_path):
     assert 0 <= hw.compute_overlap <= 1
     assert hw.matmul_efficiency and all(0 < e <= 1 for _, e in hw.matmul_efficiency)
     assert max(e for _, e in hw.matmul_efficiency) == pytest.approx(1.0, rel=0.5)
+    # the attention core measured on its own, each pass a share of the matmul peak
+    assert hw.attention_efficiency is not None
+    for curve in (hw.attention_efficiency.forward, hw.attention_efficiency.backward):
+        assert len(curve) == 4 and all(0 < e <= 1 for _, e in curve)
     raw = yaml.safe_load(out.read_text())
     assert len(raw["measured"]["all_reduce_seconds"]) == 2  # each rank's raw figures are kept
     # each kind of collective measured on its own, as a step pays it

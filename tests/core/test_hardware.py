@@ -12,7 +12,7 @@ import yaml
 from nanocore.config.checks import check_config
 from nanocore.config.converter import structure_config
 from nanocore.errors import ConfigError
-from nanocore.hardware import Hardware, Link, hardware_to_yaml, load_hardware, shipped_names
+from nanocore.hardware import AttentionEfficiency, Hardware, Link, hardware_to_yaml, load_hardware, shipped_names
 from nanocore.plugins import load_plugins
 from tests.helpers.training import tiny_config
 
@@ -47,6 +47,35 @@ def test_efficiency_is_interpolated_on_log_flops_and_flat_beyond_the_ends():
     assert bare.efficiency(123.0) == 1.0
 
 
+def test_the_attention_core_runs_at_its_own_curves_or_else_as_a_matmul_with_a_backward_of_twice_it():
+    flops = 1e7
+    curve = Hardware("x", "", {"float32": 1e12}, 2**30, 8, Link(1e9, 0.0), Link(1e8, 0.0),
+                     matmul_efficiency=((1e6, 0.2), (1e8, 0.6)))  # fmt: skip
+    # no attention curves: one matmul of its FLOPs forward, twice that backward (the old model)
+    assert curve.attention_seconds(flops, "float32") == pytest.approx(flops / (1e12 * 0.4))
+    assert curve.attention_seconds(flops, "float32", backward=True) == pytest.approx(2 * flops / (1e12 * 0.4))
+    fused = attrs.evolve(curve, attention_efficiency=AttentionEfficiency(((1e6, 0.1), (1e8, 0.3)), ((1e7, 0.25),)))
+    assert fused.attention_seconds(flops, "float32") == pytest.approx(flops / (1e12 * 0.2))  # log half-way
+    assert fused.attention_seconds(flops, "float32", backward=True) == pytest.approx(2 * flops / (1e12 * 0.25))
+    assert fused.attention_seconds(0.0, "float32") == 0.0
+    assert fused.matmul_seconds(flops, "float32") == curve.matmul_seconds(flops, "float32")  # matmuls unchanged
+    # the shipped H100 and H200 cite FlashAttention-3's figure for FlashAttention-2 on an H100: 35 %
+    for name in ("h100-sxm", "h200"):
+        hw = load_hardware(name)
+        assert hw.attention_efficiency is not None and "2407.08608" in (shipped_yaml := _shipped_text(name))
+        assert "35% utilization" in shipped_yaml
+        assert hw.attention_seconds(1e12, "bfloat16") == pytest.approx(1e12 / (989.4e12 * 0.35))
+        assert hw.attention_seconds(1e12, "bfloat16", backward=True) == pytest.approx(2e12 / (989.4e12 * 0.28))
+    # Megatron's 2021 runs on A100s had no fused kernel: their attention is matmuls at the curve
+    assert load_hardware("a100-80gb").attention_efficiency is None
+
+
+def _shipped_text(name: str) -> str:
+    from importlib import resources
+
+    return (resources.files("nanocore") / "hardware_specs" / f"{name}.yaml").read_text()
+
+
 def test_collectives_follow_the_ring_alpha_beta_model_and_cross_nodes_at_the_slow_link():
     hw = Hardware("x", "", {"float32": 1e12}, 2**30, 4, Link(100e9, 1e-5), Link(10e9, 2e-5))
     size = 8e6
@@ -78,6 +107,10 @@ def test_a_file_round_trips_and_relative_figures_read_as_numbers(tmp_path):
     measured = attrs.evolve(hw, intra_node=attrs.evolve(hw.intra_node, collectives=kinds))
     path.write_text(hardware_to_yaml(measured))
     assert load_hardware(str(path)) == measured
+    assert hw.attention_efficiency is not None  # the H100's attention curves travel too
+    bare = attrs.evolve(hw, attention_efficiency=None)
+    path.write_text(hardware_to_yaml(bare))
+    assert load_hardware(str(path)) == bare and "attention_efficiency" not in path.read_text()
     assert slow.memory_bound_seconds(10, 3.35e9) == pytest.approx(10 * 3e-6 + 1e-3)
     # YAML 1.1 reads 1e9 (no dot, no exponent sign) as a string: the loader takes it as a number
     data = yaml.safe_load(path.read_text())
@@ -106,6 +139,7 @@ def test_every_problem_of_a_bad_file_is_named_by_its_field_in_one_error(tmp_path
                 "colour": "green",
                 "op_overhead": -1e-6,
                 "compute_overlap": 1.5,
+                "attention_efficiency": {"forward": [[1e9, 2.0]], "backward": "fast"},
             }
         )
     )
@@ -126,9 +160,14 @@ def test_every_problem_of_a_bad_file_is_named_by_its_field_in_one_error(tmp_path
         "inter_node.collectives.broadcast: unknown collective",
         "inter_node.collectives.send.bandwidth: expected a positive number",
         "inter_node.hops: unknown field",
+        "attention_efficiency.forward[0]: a fraction of the peak above 1",
+        "attention_efficiency.backward: expected a list of [FLOPs, fraction of peak] pairs",
     ):
         assert field in text, field
-    assert len(info.value.problems) == 13
+    assert len(info.value.problems) == 16  # the two above and: a pass without a point
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "attention_efficiency": {"forward": []}}))
+    with pytest.raises(ConfigError, match=r"attention_efficiency: expected \{forward"):
+        load_hardware(str(path))
 
 
 def test_the_config_names_a_hardware_it_cannot_find_before_anything_starts(tmp_path):

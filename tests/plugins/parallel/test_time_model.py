@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from nanocore.config.converter import structure_config
-from nanocore.hardware import Hardware, Link, hardware_to_yaml
+from nanocore.hardware import AttentionEfficiency, Hardware, Link, hardware_to_yaml
 from nanocore.plan import predict_for
 from nanocore.plugins import load_plugins
 from nanocore_plugins.parallel.time_model import trace_memory_bound
@@ -65,6 +65,21 @@ def test_one_process_is_three_passes_of_matmuls_and_attention_at_the_peak(regist
         model = registries.model.get("llama").factory(structure_config(tiny_config(tmp_path), registries).model,
                                                       vocab_multiple=1)  # fmt: skip
     assert p.mfu == pytest.approx(model.flops_per_token(SEQ) * M * TOKENS / (p.step_seconds * PEAK))
+
+
+def test_the_attention_core_is_costed_at_the_descriptions_attention_efficiency(registries, tmp_path):
+    """A fused attention kernel is not a matmul: with `attention_efficiency` its forward runs at the
+    forward curve and its backward (twice the FLOPs) at the backward one; matmuls stay at the peak."""
+    fused = attrs.evolve(HW, attention_efficiency=AttentionEfficiency(((1.0, 0.5),), ((1.0, 0.25),)))
+    p = predict(registries, tmp_path, hw=fused)
+    matmul = 2 * TOKENS * (L * LAYER_MATMUL + V * H)
+    attention = L * 4 * H * SEQ * TOKENS * 0.5
+    assert p.term("compute") == pytest.approx(M * (3 * matmul + attention / 0.5 + 2 * attention / 0.25) / PEAK)
+    # selective recompute repeats the forward only, at the forward curve
+    again = predict(registries, tmp_path, {"recompute_granularity": "selective"}, hw=fused)
+    assert again.term("recompute") == pytest.approx(M * attention / 0.5 / PEAK)
+    plain = predict(registries, tmp_path)
+    assert p.step_seconds > plain.step_seconds and p.term("optimizer") == plain.term("optimizer")
 
 
 def test_tensor_parallel_adds_its_all_reduces_and_halves_the_matmuls(registries, tmp_path):

@@ -30,6 +30,7 @@ from nanocore.registry import Entry
 from nanocore.sharding import Placement, get_placement, set_placement
 
 from .expert_parallel import shard_experts
+from .pruned import PrunedBlock
 
 
 @attrs.define
@@ -187,18 +188,29 @@ def keep_rank_part(
 ) -> tuple[list[list[list[str]]], list[int]]:
     """Prune `model` (on meta) in place to this rank's experts and pipeline chunks; returns the local
     chunks (blocks of module names) and their virtual stage numbers. Also used by the memory planner."""
-    blocks = model.pipeline_blocks()
     shard_experts(model, ep_size, ep_rank)
-    all_chunks = partition(blocks, pp_size * virtual_stages)
-    chunk_ids = [stage_of(placement, c, pp_rank, pp_size, virtual_stages) for c in range(virtual_stages)]
+    all_chunks, chunk_ids = rank_chunks(model, pp_size, pp_rank, virtual_stages, placement)
     chunks = [all_chunks[i] for i in chunk_ids]
-    keep = {name for chunk in chunks for block in chunk for name in block}
-    for chunk in all_chunks:
-        for block in chunk:
-            for name in block:
-                if name not in keep:
-                    model.set_submodule(name, nn.Identity())
+    for name in pruned_names(all_chunks, chunk_ids):
+        model.set_submodule(name, PrunedBlock())
     return chunks, chunk_ids
+
+
+def rank_chunks(
+    model: nn.Module, pp_size: int, pp_rank: int, virtual_stages: int, placement: object = None
+) -> tuple[list[list[list[str]]], list[int]]:
+    """Every pipeline chunk of `model` (blocks of module names, `pp_size` x `virtual_stages` of them)
+    and the numbers of the ones pipeline rank `pp_rank` holds, in its virtual-stage order (the
+    schedule `placement` places them: `nanocore.pipeline_api.stage_of`)."""
+    all_chunks = partition(model.pipeline_blocks(), pp_size * virtual_stages)
+    chunk_ids = [stage_of(placement, c, pp_rank, pp_size, virtual_stages) for c in range(virtual_stages)]
+    return all_chunks, chunk_ids
+
+
+def pruned_names(all_chunks: list[list[list[str]]], chunk_ids: list[int]) -> list[str]:
+    """The module names of the blocks in chunks other than `chunk_ids`: what a rank prunes away."""
+    keep = {name for i in chunk_ids for block in all_chunks[i] for name in block}
+    return [name for chunk in all_chunks for block in chunk for name in block if name not in keep]
 
 
 def _mark_vocab_rows(model: nn.Module, name: str, placement: Placement) -> Placement:

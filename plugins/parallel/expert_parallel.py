@@ -20,6 +20,8 @@ from torch import nn
 from nanocore.moe_api import MoELayer, moe_layers, recomputing
 from nanocore.sharding import get_placement, set_placement
 
+from .pruned import under_pruned_block
+
 EXPERT_ATTR = "_nanocore_expert"
 
 
@@ -99,10 +101,9 @@ class ExpertParallel:
         index among `names` -> the local layer (a pipeline stage holds some of them)."""
         local = {}
         for index, name in enumerate(names):
-            try:
-                layer = model.get_submodule(name)
-            except AttributeError:  # on another pipeline stage
+            if under_pruned_block(model, name):  # on another pipeline stage
                 continue
+            layer = model.get_submodule(name)
             if isinstance(layer, MoELayer):
                 layer.set_runtime(self)
                 local[index] = layer
@@ -137,10 +138,9 @@ def shard_experts(model: nn.Module, ep_size: int, ep_rank: int) -> None:
     """Keep this rank's experts of every stacked expert parameter (on the meta device, before
     materialisation): a [E, ...] parameter becomes [E/ep, ...] with its place in the full tensor."""
     for layer_name in moe_layers(model):
-        try:
-            layer = model.get_submodule(layer_name)
-        except AttributeError:  # in a block another pipeline stage holds, pruned away (the memory planner)
+        if under_pruned_block(model, layer_name):  # in a block another pipeline stage holds (the memory planner)
             continue
+        layer = model.get_submodule(layer_name)
         experts = int(layer.num_experts)
         if experts % ep_size:
             raise ValueError(f"{layer_name}: {experts} experts cannot be split over {ep_size} ranks")

@@ -61,14 +61,15 @@ from nanocore.config import Config
 from nanocore.dtypes import resolve_dtype_name
 from nanocore.engine_api import MemoryPlan, PlannedLayout, RankPlan
 from nanocore.model_api import is_hidden_matrix
-from nanocore.pipeline_api import Action, stage_of
+from nanocore.pipeline_api import Action
 from nanocore.pipeline_sim import SimResult, simulate
 from nanocore.registry import Entry, Registries
 from nanocore.sharding import get_placement, row_share
 from nanocore.tp_api import TPMode
 
-from .build import meta_model, model_key, partition
+from .build import meta_model, model_key, pruned_names, rank_chunks
 from .expert_parallel import is_expert, shard_experts
+from .pruned import PrunedBlock
 from .tensor_parallel import PlannedGroup
 from .tensor_parallel import parallelize as tp_parallelize
 
@@ -78,7 +79,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _RANK_PARTS: dict[tuple[object, ...], tuple[nn.Module, dict[str, float] | None, list[list[list[str]]]]] = {}
 # model key -> the whole model on meta and its declared activation elements
 _WHOLE: dict[tuple[object, ...], tuple[nn.Module, dict[str, float] | None]] = {}
-_PRUNED = nn.Identity()  # what a rank part holds in place of another stage's blocks
+_PRUNED = PrunedBlock()  # what a rank part holds in place of another stage's blocks (one, shared)
 _SIMULATED: dict[tuple[str, int, int, int], SimResult] = {}  # (schedule, pp, micro-batches, virtual)
 
 
@@ -113,23 +114,17 @@ def _pipeline_part(
     model: nn.Module, pp: int, pp_rank: int, virtual: int, schedule: object, changes: bool
 ) -> tuple[nn.Module, list[list[list[str]]]]:
     """A copy of `model` holding only this pipeline rank's chunks (every other pipeline block an
-    nn.Identity, as `keep_rank_part` leaves them) and those chunks. The copy's modules are new and
+    `PrunedBlock`, as `keep_rank_part` leaves them) and those chunks. The copy's modules are new and
     share the parameters and buffers of the blocks it keeps: `plan` reads them and never changes
     them, and parallelising a part or sharding its experts swaps modules and parameters, never
     alters one. Copying the kept blocks' module tree costs a fraction of building and parallelising
     the whole model once per rank (a 1T model's 64 stages x 8 TP ranks). Where the rank holds every
     block and nothing will swap its modules (`changes` False: no TP, experts not split), the whole
     model itself."""
-    all_chunks = partition(model.pipeline_blocks(), pp * virtual)
-    ids = [stage_of(schedule, v, pp_rank, pp, virtual) for v in range(virtual)]
+    all_chunks, ids = rank_chunks(model, pp, pp_rank, virtual, schedule)
     if len(ids) == len(all_chunks) and not changes:  # the whole model, and nothing will change it
         return model, all_chunks
-    memo: dict[int, nn.Module] = {}
-    for index, chunk in enumerate(all_chunks):
-        if index not in ids:
-            for block in chunk:
-                for name in block:
-                    memo[id(model.get_submodule(name))] = _PRUNED
+    memo: dict[int, nn.Module] = {id(model.get_submodule(name)): _PRUNED for name in pruned_names(all_chunks, ids)}
     return _tree_copy(model, memo), [all_chunks[i] for i in ids]
 
 

@@ -25,6 +25,8 @@ from nanocore.errors import ConfigError, PluginError
 from nanocore.sharding import Placement, set_placement
 from nanocore.tp_api import Group, LinearFunction, TPMode
 
+from .pruned import PrunedBlock
+
 STYLES = ("colwise", "rowwise", "colwise_kv", "colwise_local", "vocab_embedding", "lm_head", "head_norm")
 # `head_norm` modules (qk-norm: one weight applied to every head) stay whole, but each rank's heads
 # give only their share of its gradient: `tp_grad_sync` sums them in every TP mode. Recorded here, on
@@ -316,7 +318,7 @@ def parallelize(
         if found is None:
             continue
         style, options = found
-        if type(module) is nn.Identity:
+        if isinstance(module, PrunedBlock):
             continue  # a block of another pipeline stage, pruned away (the memory planner's rank parts)
         if style == "head_norm":
             setattr(module, _HEAD_NORM, True)

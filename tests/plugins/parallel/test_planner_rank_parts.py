@@ -9,7 +9,9 @@ import pytest
 from nanocore.config.load import load_config
 from nanocore.sharding import get_placement
 from plugins.parallel.build import keep_rank_part, meta_model
+from plugins.parallel.expert_parallel import shard_experts
 from plugins.parallel.planner import _rank_part
+from plugins.parallel.pruned import PrunedBlock, under_pruned_block
 from plugins.parallel.tensor_parallel import PlannedGroup
 from plugins.parallel.tensor_parallel import parallelize as tp_parallelize
 from tests.helpers.launch import REPO
@@ -68,3 +70,26 @@ def test_each_rank_part_holds_what_the_engine_builds_on_that_rank(name, tp, pp, 
             assert described == _described(reference)
             seen.add(tuple(sorted(described)))
     assert len(seen) == pp  # each stage holds its own blocks (TP ranks the same names)
+
+
+def test_other_stages_blocks_are_pruned_blocks_that_tp_and_expert_sharding_skip_by_name():
+    """Both builds leave a `PrunedBlock` where another stage's block was; TP and expert sharding skip
+    what lies under one, and nothing else: a module the model lacks is still an error."""
+    overrides = ["parallelism.pp=2", "parallelism.dp=1", "parallelism.expert_parallel_size=1"]
+    loaded = load_config(REPO / "examples" / "config_tiny_moe.yaml", world_size=None, overrides=overrides)
+    config, registries = loaded.config, loaded.plugins.registries
+    model, chunks = _engine_part(config, registries, 1, 0)
+    kept = {name for chunk in chunks for block in chunk for name in block}
+    every = [f"model.layers.{i}" for i in range(config.model.model_config.num_hidden_layers)]
+    layers, gone = [n for n in every if n in kept], [n for n in every if n not in kept]
+    assert layers and gone
+    for name in gone:
+        assert isinstance(model.get_submodule(name), PrunedBlock)
+        assert under_pruned_block(model, name) and under_pruned_block(model, f"{name}.mlp.experts")
+    assert not any(under_pruned_block(model, name) for name in layers)
+    assert not under_pruned_block(model, "no.such.module")
+    shard_experts(model, 1, 0)  # the pruned MoE layers are skipped, the kept ones split
+    mode = registries.tp_mode.get("ALL_REDUCE").factory()
+    tp_parallelize(model, model.tp_plan, PlannedGroup(2, 0), mode, False)  # plans naming pruned layers: skipped
+    with pytest.raises(AttributeError):
+        model.get_submodule(f"{gone[0]}.mlp")

@@ -31,11 +31,13 @@ The same for published H100 runs, in two groups:
   a 500 W power limit, 400 Gb/s per GPU between hosts; the first file says their peak lies between
   the SXM and NVL parts and is not known. Assumed: sequence 8192 (torchtitan's Llama 3 training
   configs; 5,762 tokens/s at 8192 is the 33 % MFU the file quotes), nanocore's selective recompute
-  (the attention core) for torchtitan's per-op SAC. torch.compile is not modelled: the compiled rows
-  are predicted as eager ones. Each row is predicted on the shipped `h100-sxm`; then on that
-  description with the files' memory (96 GB, 2.4 TB/s) and its bfloat16 peak set so that the first
-  row is predicted exactly (the one figure taken from these runs: the rate these GPUs sustain); the
-  other rows are then predicted with nothing more taken from them.
+  (the attention core) for torchtitan's per-op SAC, and its attention core at the shipped `h100-sxm`'s
+  attention efficiency (FlashAttention-2's 35 % on an H100, the kernel behind PyTorch's SDPA then).
+  torch.compile is not modelled: the compiled rows are predicted as eager ones. Each row is
+  predicted on the shipped `h100-sxm`; then on that description with the files' memory (96 GB,
+  2.4 TB/s) and its bfloat16 peak set so that the first row is predicted exactly (the one figure
+  taken from these runs: the rate these GPUs sustain); the other rows are then predicted with
+  nothing more taken from them.
 - Meta's Llama 3 405B pre-training (Grattafiori et al., "The Llama 3 Herd of Models", arXiv
   2407.21783, section 3.3 and Table 4): 700 W H100 SXM, 80 GB HBM3, 8 per Grand Teton host, 400 Gb/s
   per GPU; TP 8, PP 16, DP 64 or 128, 16M tokens per batch at sequence 8192; 430 and 400 teraFLOP/s

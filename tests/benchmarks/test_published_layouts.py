@@ -49,24 +49,25 @@ def test_every_published_megatron_layout_is_predicted_within_20_percent(tmp_path
 def test_published_h100_runs_are_predicted_from_the_h100_description(tmp_path):
     """Meta's Llama 3 405B pre-training layouts on 700 W H100 SXM (arXiv 2407.21783, Table 4) are
     predicted within 20 % of their published MFU on the shipped `h100-sxm`, nothing fitted. torchtitan's
-    runs on 500 W HBM2e H100s (whose peak its files say is unknown) are predicted at about twice their
+    runs on 500 W HBM2e H100s (whose peak its files say is unknown) are predicted at 1.4-1.7x their
     speed on that description; with the one unknown (the bfloat16 rate those GPUs sustain) set by the
-    first row, the 128-GPU FSDP row follows within 5 % and the TP 8 rows within 25 % (the compiled
-    70B rows are under-predicted: torch.compile is not modelled)."""
+    first row, the 128-GPU FSDP row follows within 5 % and the four TP 8 rows, held out too, within
+    20 % (the attention core at FlashAttention-2's 35 % on an H100: before it, the compiled 70B rows
+    fell to 0.79)."""
     m = _module()
     out = m.published_h100(tmp_path, 0)
     meta = out["llama3_405b"]
     assert [r["gpus"] for r in meta] == [r[0] for r in m.LLAMA3_405B]
     for r in meta:
         assert 0.8 <= r["ratio"] <= 1.2, r
-    assert all(r["ratio"] > 1.4 for r in out["torchtitan_h100_sxm"])  # the datasheet peak is not these GPUs'
+    assert all(r["ratio"] > 1.3 for r in out["torchtitan_h100_sxm"])  # the datasheet peak is not these GPUs'
     fitted = out["torchtitan_fitted"]
     assert 0.3 * m.H100_BF16_PEAK < fitted["bfloat16_peak"] < 0.7 * m.H100_BF16_PEAK
     first, fsdp128, *tp8 = fitted["rows"]
     assert first["ratio"] == pytest.approx(1, abs=1e-3)
     assert fsdp128["ratio"] == pytest.approx(1, abs=0.05)
     for r in tp8:
-        assert 0.75 <= r["ratio"] <= 1.25, r
+        assert 0.8 <= r["ratio"] <= 1.2, r
         assert r["predicted_step_seconds"] == pytest.approx(sum(r["terms"].values()))
 
 

@@ -296,7 +296,7 @@ def _rank(rank: int, world: int, store: str, args: dict[str, Any], results: Any)
             out["matmul"][dtype_name] = points
             if rank == 0:
                 print(f"calibrate: matmuls in {dtype_name} measured ({len(points)} shapes)", file=sys.stderr)
-        out["attention"] = _attention(args["dtypes"], cuda, device, args["seconds"], sync)
+        out["attention"] = _attention(args["dtypes"], cuda, device, 10 * args["seconds"], sync)
         if rank == 0:
             print(f"calibrate: attention in {out['attention']['dtype']} measured", file=sys.stderr)
         # a layer's matmul before each collective: about 1.5 ms in float32 on one CPU thread, 0.6 ms in

@@ -240,9 +240,11 @@ def _attention(
 
     name = "bfloat16" if cuda and "bfloat16" in dtypes else dtypes[0]
     dtype = getattr(torch, name)
-    # (sequences, heads, sequence, head width)
-    shapes = [(max(1, 8192 // s), 32, s, 128) for s in (1024, 2048, 4096, 8192)] if cuda else []
-    shapes += [] if cuda else [(max(1, 1024 // s), 8, s, 32) for s in (128, 256, 512, 1024)]
+    # (sequences, heads, sequence, head width): about the same tokens per call as the sequence grows
+    tokens, heads, width, sequences = (
+        (8192, 32, 128, (1024, 2048, 4096, 8192)) if cuda else (1024, 8, 32, (128, 256, 512, 1024))
+    )
+    shapes = [(max(1, tokens // s), heads, s, width) for s in sequences]
     points = []
     for b, h, s, d in shapes:
         q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -450,17 +452,14 @@ def describe(ranks: list[dict[str, Any]], world: int, threads: int, name: str) -
             for f, rate in zip(flops, rates, strict=True):
                 bins.setdefault(round(math.log2(f)), []).append((f, rate / peaks[dtype]))
             curve = [_mean_point(pts) for _, pts in sorted(bins.items())]
-    attention = None
-    if "attention" in ranks[0]:
-        measured = ranks[0]["attention"]
-        peak = peaks[measured["dtype"]]
-        sizes = [p[0] for p in measured["points"]]
-        # the slowest rank's rate of each pass, over the dtype's matmul peak (at most 1)
-        passes = [
-            tuple((f, min(1.0, min(r["attention"]["points"][i][j] for r in ranks) / peak)) for i, f in enumerate(sizes))
-            for j in (1, 2)
-        ]
-        attention = AttentionEfficiency(*passes)
+    measured = ranks[0]["attention"]
+    peak = peaks[measured["dtype"]]
+    sizes = [p[0] for p in measured["points"]]
+    # the slowest rank's rate of each pass, over the dtype's matmul peak (at most 1)
+    passes = [
+        tuple((f, min(1.0, min(r["attention"]["points"][i][j] for r in ranks) / peak)) for i, f in enumerate(sizes))
+        for j in (1, 2)
+    ]
     reduce_points = [[p[0], max(r["all_reduce"][i][1] for r in ranks)] for i, p in enumerate(ranks[0]["all_reduce"])]
     bandwidth, latency = _fit_all_reduce(reduce_points, world)
     kinds = {}
@@ -492,7 +491,7 @@ def describe(ranks: list[dict[str, Any]], world: int, threads: int, name: str) -
         matmul_efficiency=tuple((float(f), float(e)) for f, e in curve),
         op_overhead=max(r["op"] for r in ranks),
         compute_overlap=min(r["overlap"] for r in ranks),
-        attention_efficiency=attention,
+        attention_efficiency=AttentionEfficiency(*passes),
     )
 
 

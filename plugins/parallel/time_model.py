@@ -521,7 +521,7 @@ def context_parallel_seconds(block: Block, inv: Inventory, lay: Layout, hw: Hard
     # and its attention is plain matmuls block by block, not a fused kernel: two per block forward
     # (scores, output), five backward (scores again, the value, score, query and key gradients), at
     # a block's size (the diagonal block whole, masked; each other one half of it); what exceeds
-    # the compute term's causal attention (forward once, backward twice) is the ring's
+    # the compute term's causal attention (its forward and backward at the attention efficiency) is the ring's
     diagonal = 2 * inv.attention_query / lay.tp * lay.tokens**2  # FLOPs of one matmul of the diagonal block
     blocks = hw.matmul_seconds(diagonal, lay.dtype) + (lay.cp - 1) * hw.matmul_seconds(diagonal / 2, lay.dtype)
     extra = max(0.0, 2 * blocks - attention), max(0.0, 5 * blocks - attention_backward)

@@ -210,11 +210,19 @@ class KVCache:
         self.values: dict[int, torch.Tensor] = {}
         self.length = 0
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, keep: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append and return the cached keys and values followed by the new ones. `keep`: store only
+        the last `keep` positions afterwards (a sliding-window layer's next query sees no older key);
+        the returned tensors are still every key the new queries may see."""
         if layer in self.keys:
             k = torch.cat([self.keys[layer], k], dim=2)
             v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
+        if keep is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            self.keys[layer], self.values[layer] = k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :]
         return k, v
 
     def advance(self, n: int) -> None:

@@ -162,7 +162,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, heads, s, head_dim]; cos, sin: [s, head_dim]."""
+    """x: [b, heads, s, head_dim]; cos, sin: [s, rotary_dim]. A rotary_dim below head_dim rotates the
+    first rotary_dim features and passes the rest through (partial rotary: Qwen3-Next, GPT-NeoX)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat([rotated * cos + rotate_half(rotated) * sin, passed], dim=-1)
     return x * cos + rotate_half(x) * sin
 
 

@@ -95,6 +95,8 @@ class AttentionCore(nn.Module):
             if self.window is None and sinks is None:  # the call every runtime has always taken
                 return runtime.attend(q, k, v)
             return runtime.attend(q, k, v, window=self.window, sinks=sinks)
+        if self.window is None and sinks is None:
+            return attention(q, k, v)
         return attention(q, k, v, self.window, sinks)
 
     def extra_repr(self) -> str:

@@ -23,6 +23,14 @@ home. Saved for backward: this rank's q, k, v, output and log-sum-exp only (O(s/
 Document masking composes: every rank knows the document ids of the whole sequence (all CP ranks
 read the same samples), so the mask of any block is built locally from global token indices.
 
+Sliding windows and attention sinks compose too. A windowed layer's block mask is built from the
+same global indices (`nanocore.sequence_api.window_mask`), and a block whose every pair lies outside
+the window is skipped like a block of other documents (its keys still travel on). Sinks (one learned
+logit per head in every softmax's denominator) join the merged log-sum-exp once, after the last
+block; their gradient is -sum(dO * O * p_sink) per head, summed over this rank's queries (the
+engine's gradient reduction sums it over cp). Under all-to-all each rank takes the sinks of the
+heads it holds.
+
 All-to-all attention (`parallelism.context_parallel_mode: all_to_all`, DeepSpeed-Ulysses' design):
 before attention one all-to-all over the cp group turns each of q, k, v from [b, heads, s/cp, d]
 (this rank's tokens, every head) into [b, heads/cp, s, d] (every token, this rank's share of the
@@ -42,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from nanocore.model_parts.attention import attention
-from nanocore.sequence_api import document_attention, document_ids, document_positions
+from nanocore.sequence_api import document_attention, document_ids, document_positions, window_mask
 
 _KV_TAG, _GRAD_TAG = 1, 2
 CONTEXT_PARALLEL_MODES = ("ring", "all_to_all")
@@ -106,19 +114,36 @@ class ContextParallel:
         return self.layout.positions
 
     @torch.compiler.disable  # the ring's exchanges and per-document masks run eagerly in a compiled layer
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         layout = self.layout
         assert layout is not None, "context parallel runtime used outside a micro-batch"
         if self.cp == 1:
-            return document_attention(q, k, v, layout.docs)
+            assert layout.docs is not None, "a one-rank context parallel runtime is for document masking"
+            return document_attention(q, k, v, layout.docs, window, sinks)
         if self.mode == "all_to_all":
-            return self.attend_all_to_all(q, k, v, layout)
-        return RingAttention.apply(q, k, v, self, layout)
+            return self.attend_all_to_all(q, k, v, layout, window, sinks)
+        return RingAttention.apply(q, k, v, sinks, self, layout, window)
 
     # -- all-to-all -----------------------------------------------------------------------
-    def attend_all_to_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def attend_all_to_all(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: Layout,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention with heads split over the cp ranks and the whole sequence on each (see the module
-        docstring). q [b, heads, L, d]; k, v [b, kv_heads, L, d or dv]; heads must divide by cp."""
+        docstring). q [b, heads, L, d]; k, v [b, kv_heads, L, d or dv]; heads must divide by cp. The
+        sinks of this rank's head group go with its heads."""
         cp, kv_heads = self.cp, k.shape[1]
         if q.shape[1] % cp:
             raise ValueError(f"all_to_all context parallelism: {q.shape[1]} query heads do not split over cp={cp}")
@@ -128,7 +153,12 @@ class ContextParallel:
         order = torch.cat([zigzag_index(layout.index.numel() * cp, cp, j, q.device) for j in range(cp)])
         to_sequence = torch.argsort(order)  # received (rank-major) -> sequence order
         q, k, v = (HeadsSequenceSwap.apply(t, self, True).index_select(2, to_sequence) for t in (q, k, v))
-        out = attention(q, k, v) if layout.docs is None else document_attention(q, k, v, layout.docs)
+        if sinks is not None:
+            sinks = sinks.view(cp, -1)[self.cp_rank]
+        if layout.docs is None:
+            out = attention(q, k, v, window, sinks)
+        else:
+            out = document_attention(q, k, v, layout.docs, window, sinks)
         return HeadsSequenceSwap.apply(out.index_select(2, order), self, False)
 
     def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
@@ -162,9 +192,10 @@ class ContextParallel:
         self.blocks_skipped += batch - computed
         return live
 
-    def block(self, layout: Layout, step: int) -> tuple[slice, slice, torch.Tensor | None]:
+    def block(self, layout: Layout, step: int, window: int | None = None) -> tuple[slice, slice, torch.Tensor | None]:
         """At ring step `step` (holding the keys of rank j = r - step): the local query rows and key
-        rows that the causal mask leaves, and the mask among them (None: all allowed)."""
+        rows that the causal mask leaves, and the mask among them (None: all allowed), within
+        `window` when given (a block wholly outside it has a mask that allows nothing)."""
         r, cp = self.cp_rank, self.cp
         j = (r - step) % cp
         half = layout.index.numel() // 2
@@ -177,8 +208,8 @@ class ContextParallel:
         q_index = layout.index[rows]
         k_index = zigzag_index(2 * cp * half, cp, j, q_index.device)[cols]
         mask = None
-        if j == r:
-            mask = (q_index[:, None] >= k_index[None, :])[None]  # [1, Lq, Lk]
+        if j == r or window is not None:
+            mask = window_mask(q_index, k_index, window)[None]  # [1, Lq, Lk]
         if layout.docs is not None:
             same = layout.docs[:, q_index][:, :, None] == layout.docs[:, k_index][:, None, :]
             mask = same if mask is None else mask & same
@@ -275,9 +306,18 @@ def _block_backward(q, k, v, dout, lse, delta, mask, scale):
     return torch.cat(dqs, dim=2), dk, dv
 
 
+def _sink_rows(sinks: torch.Tensor, kv_heads: int, length: int) -> torch.Tensor:
+    """[heads] -> [1, kv_heads, groups * length] float32: each grouped query row's head's sink logit."""
+    grouped = sinks.float().view(kv_heads, -1)
+    return grouped[:, :, None].expand(-1, -1, length).reshape(1, kv_heads, -1)
+
+
 class RingAttention(torch.autograd.Function):
+    """Ring attention over the context-parallel ranks (the module docstring). Sinks, when given, are
+    one more logit per head merged into the log-sum-exp after the last block (their value is 0)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, runtime: ContextParallel, layout: Layout):
+    def forward(ctx, q, k, v, sinks, runtime: ContextParallel, layout: Layout, window: int | None):
         heads, kv_heads = q.shape[1], k.shape[1]
         groups = heads // kv_heads
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -290,7 +330,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(runtime.cp):
             if step < runtime.cp - 1:
                 works, kv_next = runtime.exchange(kv, _KV_TAG)
-            rows, cols, mask = runtime.block(layout, step)
+            rows, cols, mask = runtime.block(layout, step, window)
             live = runtime.live_samples(mask, b)
             if live is not None and live.numel() == 0:  # the mask removes the whole block: nothing to compute
                 if step < runtime.cp - 1:
@@ -321,15 +361,19 @@ class RingAttention(torch.autograd.Function):
                 for work in works:
                     work.wait()
                 kv = kv_next
+        if sinks is not None:
+            new = torch.logaddexp(lse, _sink_rows(sinks, kv_heads, length))
+            out = out * torch.exp(lse - new)[..., None]
+            lse = new
         result = _ungrouped(out, heads).to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
-        ctx.runtime, ctx.layout, ctx.scale = runtime, layout, scale
+        ctx.save_for_backward(q, k, v, result, lse, sinks)
+        ctx.runtime, ctx.layout, ctx.scale, ctx.window = runtime, layout, scale, window
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        runtime, layout, scale = ctx.runtime, ctx.layout, ctx.scale
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        runtime, layout, scale, window = ctx.runtime, ctx.layout, ctx.scale, ctx.window
         heads, kv_heads = q.shape[1], k.shape[1]
         groups, length = heads // kv_heads, q.shape[2]
         qg = _grouped(q.float(), kv_heads)
@@ -341,7 +385,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(runtime.cp):
             if step < runtime.cp - 1:
                 works, kv_next = runtime.exchange(kv, _KV_TAG)
-            rows, cols, mask = runtime.block(layout, step)
+            rows, cols, mask = runtime.block(layout, step, window)
             live = _live_samples(mask, q.shape[0])
             if live is not None and live.numel() == 0:  # skipped in forward: no gradient to add
                 assert pending is not None, "the diagonal block (step 0) always has unmasked keys"
@@ -381,16 +425,26 @@ class RingAttention(torch.autograd.Function):
         for work in pending[0]:
             work.wait()
         dkv = pending[1]
-        return _ungrouped(dq, heads).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        dsinks = None
+        if sinks is not None:  # d lse / d sink is the sink's probability; its value 0 adds no output
+            share = torch.exp(_sink_rows(sinks, kv_heads, length) - lse) * delta
+            dsinks = -share.view(q.shape[0], kv_heads, groups, length).sum(dim=(0, 3)).reshape(-1).to(sinks.dtype)
+        dq_out, dk_out, dv_out = _ungrouped(dq, heads).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return dq_out, dk_out, dv_out, dsinks, None, None, None
 
 
 def _live_samples(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
     """Indices of the samples whose block mask allows some query/key pair; None: every sample (no
-    mask, a mask shared by the batch, or the skip turned off)."""
-    if not SKIP_MASKED_BLOCKS or mask is None or mask.shape[0] != batch:
+    mask, or the skip turned off). A mask shared by the batch (causal, windowed) is live for all
+    samples or none: a block wholly outside the window has nothing to compute."""
+    if not SKIP_MASKED_BLOCKS or mask is None:
         return None
     live = mask.flatten(1).any(dim=1)
-    return None if bool(live.all()) else live.nonzero().squeeze(1)
+    if bool(live.all()):
+        return None
+    if mask.shape[0] != batch:
+        return live.new_zeros(0, dtype=torch.int64)
+    return live.nonzero().squeeze(1)
 
 
 def _samples(t: torch.Tensor | None, live: torch.Tensor) -> torch.Tensor | None:

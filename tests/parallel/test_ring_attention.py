@@ -1,6 +1,7 @@
 """Context-parallel attention equals one-process causal attention: outputs and gradients of q, k and v,
 float32, with grouped-query heads and with document masking, at cp 2 and 4, in both modes (the ring,
-and all-to-all: heads split over the ranks, the whole sequence on each)."""
+and all-to-all: heads split over the ranks, the whole sequence on each); and with a sliding window and
+attention sinks (their gradient too), the ring skipping the blocks wholly outside the window."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nanocore.model_parts.attention import attention
 from nanocore.sequence_api import document_attention, document_ids, repeat_kv
 from nanocore_plugins.parallel.context_parallel import ContextParallel, zigzag_index
 from tests.helpers.compare import rel_diff
@@ -49,7 +51,22 @@ def reference(docs: bool | str, kv_heads: int = KV_HEADS, dv: int = D):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _ring(rank, world_size, docs, tile=None, mode="ring", kv_heads=KV_HEADS, dv=D):
+SINKS = torch.randn(HEADS, generator=torch.Generator().manual_seed(5)) * 2
+
+
+def windowed_reference(docs: bool, window: int | None, with_sinks: bool):
+    q, k, v, dout, ids = inputs(docs)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    sinks = SINKS.clone().requires_grad_() if with_sinks else None
+    if docs:
+        out = document_attention(q, k, v, document_ids(ids, SEPARATOR), window, sinks)
+    else:
+        out = attention(q, k, v, window, sinks)
+    out.backward(dout)
+    return out.detach(), [q.grad, k.grad, v.grad], sinks.grad if with_sinks else None
+
+
+def _ring(rank, world_size, docs, tile=None, mode="ring", kv_heads=KV_HEADS, dv=D, window=None, with_sinks=False):
     if tile is not None:  # scores a few query rows at a time
         from nanocore_plugins.parallel import context_parallel
 
@@ -59,11 +76,13 @@ def _ring(rank, world_size, docs, tile=None, mode="ring", kv_heads=KV_HEADS, dv=
     runtime = ContextParallel(dist.group.WORLD, world_size, rank, ranks, SEPARATOR if docs else None, mode)
     runtime.layout = runtime.prepare(ids)
     local = [runtime.shard(t.transpose(1, 2)).transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
-    out = runtime.attend(*local)
+    sinks = SINKS.clone().requires_grad_() if with_sinks else None
+    out = runtime.attend(*local, window=window, sinks=sinks) if window or with_sinks else runtime.attend(*local)
     out.backward(runtime.shard(dout.transpose(1, 2)).transpose(1, 2))
     return {
         "out": out.detach(),
         "grads": [t.grad for t in local],
+        "sinks_grad": sinks.grad if with_sinks else None,
         "index": zigzag_index(S, world_size, rank),
         "blocks": (runtime.blocks_computed, runtime.blocks_skipped),
         "bytes_sent": runtime.bytes_sent,
@@ -148,3 +167,33 @@ def test_zigzag_chunks_cover_the_sequence_once_and_balance_causal_work():
     work = [int((index + 1).sum()) for index in held]
     assert len(set(work)) == 1, work
     assert held[1].tolist() == [4, 5, 6, 7, 24, 25, 26, 27]
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_to_all"])
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize(("docs", "window", "with_sinks"), [(False, 6, False), (True, 6, True), (False, None, True)])
+def test_windows_and_sinks_under_context_parallelism_equal_one_process(cp, docs, window, with_sinks, mode):
+    """The sinks' gradient is summed over the ranks (each holds some queries, or some heads)."""
+    results = run_ranks(cp, _ring, docs, None, mode, KV_HEADS, D, window, with_sinks)
+    out, grads = _assemble(results)
+    ref_out, ref_grads, ref_sinks = windowed_reference(docs, window, with_sinks)
+    assert_matches_reference(out, grads, (ref_out, *ref_grads))
+    if with_sinks:
+        assert rel_diff(sum(r["sinks_grad"] for r in results), ref_sinks) <= 1e-5
+
+
+def test_the_ring_skips_every_block_wholly_outside_the_window():
+    """cp 4, 32 tokens in 8 chunks of 4, a window of 4: a query sees at most the chunk before its own,
+    so of each rank's 4 blocks per sample only those holding a neighbouring chunk are computed."""
+    results = run_ranks(4, _ring, False, None, "ring", KV_HEADS, D, 4, False)
+    # rank r holds chunks r and 7 - r; a block is live if it holds chunk c or c - 1 of a query chunk c
+    live = []
+    for r in range(4):
+        mine = {r, 7 - r}
+        count = sum(any(q - c in (0, 1) for q in mine for c in {j, 7 - j}) for j in range(4))
+        live.append((B * count, B * (4 - count)))
+    assert [r["blocks"] for r in results] == live
+    assert sum(s for _, s in live) > 0
+    out, grads = _assemble(results)
+    ref_out, ref_grads, _ = windowed_reference(False, 4, False)
+    assert_matches_reference(out, grads, (ref_out, *ref_grads))

@@ -1,11 +1,22 @@
 """The sparse mixture-of-experts MLP (a `nanocore.moe_api.MoELayer`) and the decoder LM whose layers
 use it: Mixtral's top-k softmax router, Qwen3-MoE's (top-k probabilities kept unnormalised unless
 `norm_topk_prob`), DeepSeek-V3-style sigmoid scores with a per-expert balancing bias, optional
-shared experts.
+shared experts; and the variants of gpt-oss (a router bias, top-k on the logits then a softmax over
+the k chosen, experts with biases and a clamped SwiGLU) and Qwen3-Next (a sigmoid gate on the shared
+experts' output).
 
 Module and parameter names are transformers 5's (`mlp.gate.weight` [E, H], `mlp.experts.gate_up_proj`
 [E, 2I, H] with the gate rows first, `mlp.experts.down_proj` [E, H, I]); the options beyond them add
-`mlp.shared_experts` (a `GatedMLP`) and, for sigmoid routing, `mlp.gate.e_score_correction_bias` [E].
+`mlp.shared_experts` (a `GatedMLP`), for sigmoid routing `mlp.gate.e_score_correction_bias` [E], and:
+
+- `router_bias`: `mlp.gate.bias` [E] (gpt-oss's `mlp.router.bias`);
+- `expert_bias`: `mlp.experts.gate_up_proj_bias` [E, 2I] (gate half first, like the weight) and
+  `mlp.experts.down_proj_bias` [E, H]. transformers' gpt-oss stores its experts transposed and with
+  the gate and up columns interleaved; `gpt_oss_experts_from_hf` / `gpt_oss_experts_to_hf` convert
+  (nanocore keeps [E, 2I, H] gate-first for every model, which expert parallelism and grouped GEMMs
+  rely on);
+- `shared_expert_gate`: `mlp.shared_expert_gate.weight` [1, H] (Qwen3-Next, whose shared MLP
+  transformers names `mlp.shared_expert`).
 
 The block sorts its token slots by expert and hands them to the engine's `ExpertRuntime`, which
 decides where the experts live; it never reads the expert count from the config, since under expert
@@ -26,12 +37,17 @@ which has cross-layer products no layer can compute alone (a pipeline stage hold
 two agree when every layer routes alike, and both are k at perfect balance. The gradient flows
 through this rank's probabilities only (c / N is a constant), so the ranks' shares add up to the
 gradient of the whole micro-batch's loss.
+
+With gpt-oss's routing (`scoring_func="topk_softmax"`) P_i is still the softmax over all E experts
+of the full logits (router bias included) and c_i counts the top-k of the logits, which are the
+top-k of that softmax: exactly what transformers' `load_balancing_loss_func` computes from the
+router logits gpt-oss records.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import attrs
 import torch
@@ -46,6 +62,9 @@ from nanocore.model_parts.layers import ACT_FNS, GatedMLP, mlp_tp_plan
 from nanocore.moe_api import ExpertRuntime, LocalExperts, MoEStatistics, attach_aux_loss, expert_matmul
 
 EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+# `expert_bias`: also stacked by expert on dim 0, so expert parallelism splits them like the weights.
+EXPERT_BIAS_PARAMETERS = ("experts.gate_up_proj_bias", "experts.down_proj_bias")
+# What the Mixtral-style configs may choose; gpt-oss's routing is `scoring_func="topk_softmax"`.
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 
@@ -58,7 +77,7 @@ class MoESpec:
     top_k: int
     intermediate_size: int  # each expert's width
     hidden_act: str = "silu"
-    scoring_func: str = "softmax"  # softmax | sigmoid
+    scoring_func: str = "softmax"  # softmax | sigmoid | topk_softmax (gpt-oss: top-k logits, then their softmax)
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
@@ -68,6 +87,11 @@ class MoESpec:
     n_group: int = 1  # group-limited routing (DeepSeek-V3): experts in n_group groups of equal size,
     topk_group: int = 1  # a token picks the topk_group best groups, then its top-k experts inside them
     routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by it
+    router_bias: bool = False  # gpt-oss: logits = x W^T + b (`gate.bias`, trained)
+    expert_bias: bool = False  # gpt-oss: each expert's gate/up and down projections have a bias
+    swiglu_limit: float | None = None  # None: act(gate) * up; a number: gpt-oss's clamped SwiGLU (see
+    swiglu_alpha: float = 1.702  # `clamped_swiglu`), replacing hidden_act in the routed experts
+    shared_expert_gate: bool = False  # Qwen3-Next: shared experts' output times sigmoid(x W_g^T), W_g [1, H]
 
 
 def expert_problems(experts: int, top_k: int, ep: int, experts_field: str) -> list[str]:
@@ -89,29 +113,57 @@ def expert_problems(experts: int, top_k: int, ep: int, experts_field: str) -> li
 
 
 class TopKRouter(nn.Module):
-    """The router (`mlp.gate`): logits = x W^T, in the model's dtype as transformers computes them.
-    Sigmoid routing adds `e_score_correction_bias`, which only picks the experts."""
+    """The router (`mlp.gate`): logits = x W^T (+ b with `router_bias`, gpt-oss), in the model's dtype
+    as transformers computes them. Sigmoid routing adds `e_score_correction_bias`, which only picks
+    the experts (unlike `bias`, which is trained and shifts every logit)."""
+
+    bias: nn.Parameter | None
 
     def __init__(self, spec: MoESpec):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(spec.num_experts, spec.hidden_size))
+        # None (nn.Linear's way) keeps the state dict of a router without one unchanged.
+        self.register_parameter("bias", nn.Parameter(torch.zeros(spec.num_experts)) if spec.router_bias else None)
         if spec.scoring_func == "sigmoid":
             # Balanced by update_router_bias after each step, never by the optimizer.
             self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's activation, as transformers' `GptOssExperts._apply_gate` computes it: the gate clamped
+    above at `limit`, up clamped to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate). The clamps
+    keep the product bounded (the gate is unbounded below, where sigmoid sends it to 0)."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return (up + 1) * glu
+
+
+def _per_row(bias: torch.Tensor, counts: list[int], rows: int) -> torch.Tensor:
+    """Each local expert's bias row repeated for the rows it got: [rows, d], to add to its outputs."""
+    repeats = torch.tensor(counts, device=bias.device, dtype=torch.int64)
+    return torch.repeat_interleave(bias, repeats, dim=0, output_size=rows)
 
 
 class StackedExperts(nn.Module):
-    """Every expert's weights stacked on dim 0 (transformers' fused layout)."""
+    """Every expert's weights stacked on dim 0 (transformers' fused layout), with `expert_bias` their
+    biases too (gpt-oss), stacked the same way so that expert parallelism splits them alike."""
+
+    gate_up_proj_bias: nn.Parameter | None
+    down_proj_bias: nn.Parameter | None
 
     def __init__(self, spec: MoESpec):
         super().__init__()
         e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.register_parameter("gate_up_proj_bias", nn.Parameter(torch.zeros(e, 2 * i)) if spec.expert_bias else None)
+        self.register_parameter("down_proj_bias", nn.Parameter(torch.zeros(e, h)) if spec.expert_bias else None)
         self.act = ACT_FNS[spec.hidden_act]
+        self.swiglu_limit, self.swiglu_alpha = spec.swiglu_limit, spec.swiglu_alpha
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by local expert (`counts[j]` rows for expert j) -> each through its expert."""
@@ -120,19 +172,35 @@ class StackedExperts(nn.Module):
                 f"the expert runtime returned rows for {len(counts)} experts; this rank holds "
                 f"{self.gate_up_proj.shape[0]}"
             )
-        gate, up = expert_matmul(rows, self.gate_up_proj, counts).chunk(2, dim=-1)
-        act: Callable[[torch.Tensor], torch.Tensor] = self.act
-        return expert_matmul(act(gate) * up, self.down_proj, counts)
+        gate_up = expert_matmul(rows, self.gate_up_proj, counts)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + _per_row(self.gate_up_proj_bias, counts, rows.shape[0])
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.swiglu_limit is None:
+            act: Callable[[torch.Tensor], torch.Tensor] = self.act
+            hidden = act(gate) * up
+        else:
+            hidden = clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha)
+        out = expert_matmul(hidden, self.down_proj, counts)
+        if self.down_proj_bias is not None:
+            out = out + _per_row(self.down_proj_bias, counts, rows.shape[0])
+        return out
 
 
 class SparseMoeBlock(nn.Module):
     """`model.layers.N.mlp`: top-k routing over the experts (plus optional shared experts); a
     `nanocore.moe_api.MoELayer`. Works on whatever tokens it gets ([b, s, H], s possibly a shard)."""
 
-    expert_parameters = EXPERT_PARAMETERS
+    expert_parameters: tuple[str, ...] = EXPERT_PARAMETERS
 
     def __init__(self, spec: MoESpec):
         super().__init__()
+        if spec.scoring_func == "topk_softmax" and spec.n_group > 1:
+            raise ValueError("group-limited routing (n_group > 1) is defined for softmax and sigmoid scores only")
+        if spec.shared_expert_gate and not spec.shared_intermediate_size:
+            raise ValueError("shared_expert_gate needs shared experts (shared_intermediate_size > 0)")
+        if spec.expert_bias:  # what expert parallelism splits on dim 0 (`shard_experts`)
+            self.expert_parameters = EXPERT_PARAMETERS + EXPERT_BIAS_PARAMETERS
         self.num_experts = spec.num_experts
         self.top_k = spec.top_k
         self.scoring_func = spec.scoring_func
@@ -150,6 +218,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = StackedExperts(spec)
         if spec.shared_intermediate_size:
             self.shared_experts = GatedMLP(spec.hidden_size, spec.shared_intermediate_size, spec.hidden_act)
+        if spec.shared_expert_gate:  # whole on every TP rank, like the router
+            self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
         self.runtime: ExpertRuntime = LocalExperts()
         self._stats: torch.Tensor | None = None  # [E + 3] float64: counts, aux, z, micro-batches
 
@@ -158,8 +228,18 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """logits [n, E] -> (top-k weights [n, k] float32, top-k experts [n, k], the per-token
-        probabilities [n, E] float32 the load-balancing loss uses)."""
-        if self.scoring_func == "sigmoid":
+        probabilities [n, E] float32 the load-balancing loss uses).
+
+        `topk_softmax` (gpt-oss) is softmax routing renormalised over the chosen experts in exact
+        arithmetic, but transformers computes it in the logits' dtype (top-k of the logits, softmax
+        over those k in the model dtype), which is kept here: under bfloat16 the float32 renormalised
+        weights would differ from gpt-oss's by up to a bfloat16 rounding. The weights already sum to
+        1, so `norm_topk_prob` does not apply."""
+        if self.scoring_func == "topk_softmax":
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1).float()  # float32 holds the model dtype's values exactly
+            probs = torch.softmax(logits.float(), dim=-1)  # over every expert, as load_balancing_loss_func
+        elif self.scoring_func == "sigmoid":
             scores = torch.sigmoid(logits.float())
             bias = self.gate.e_score_correction_bias.detach().float()
             _, experts = torch.topk(self._group_limited(scores + bias), self.top_k, dim=-1)
@@ -205,7 +285,10 @@ class SparseMoeBlock(nn.Module):
         y = (y * weights.reshape(-1)[order, None]).to(flat.dtype)
         out = torch.zeros_like(flat).index_add(0, token_of_slot, y)
         if hasattr(self, "shared_experts"):  # on x's shape: TP layers split and gather along the sequence (dim 1)
-            out = out + self.shared_experts(x).reshape(flat.shape)
+            shared = self.shared_experts(x)
+            if hasattr(self, "shared_expert_gate"):  # Qwen3-Next: a per-token gate in the model dtype
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared.reshape(flat.shape)
         if self.training and torch.is_grad_enabled():
             out = self._auxiliary_losses(out, logits, probs, counts)
         return out.view_as(x)
@@ -324,33 +407,45 @@ class MoEDecoderLM(DecoderLM):
         return GatedMLP(self.config.hidden_size, self.dense_intermediate_size(), self.config.hidden_act)
 
     def active_fraction(self, name: str) -> float:
-        """A token runs k of the E experts; the router bias only picks them."""
-        if name.endswith(EXPERT_PARAMETERS):
+        """A token runs k of the E experts (their biases too); the balancing bias only picks them."""
+        if name.endswith(EXPERT_PARAMETERS + EXPERT_BIAS_PARAMETERS):
             spec = self.moe_spec()
             return spec.top_k / spec.num_experts
         if name.endswith("e_score_correction_bias"):
             return 0
         return 1
 
+    def hidden_matrix(self, name: str) -> bool:
+        """The decoder's rule, less the expert biases ([E, d]: a vector per expert, not a matrix) and
+        the shared experts' gate ([1, H], a router of one output)."""
+        if name.endswith(EXPERT_BIAS_PARAMETERS) or name.endswith(".mlp.shared_expert_gate.weight"):
+            return False
+        return super().hidden_matrix(name)
+
     def activation_elements_per_token(self) -> dict[str, float] | None:
         """The decoder's figures plus what a sparse MLP keeps per token it gets, assuming balanced
         routing (each token's k slots; under expert parallelism a rank's experts then get as many rows
         as it sends): router logits and float32 scores, the k gathered rows, each slot's gate, up,
-        silu(gate) and product, and its output before weighting; shared experts like a dense MLP."""
+        silu(gate) and product (gpt-oss's clamped SwiGLU: gate and up, the clamped gate, its sigmoid,
+        up + 1 and the gated product, 7I), and its output before weighting; shared experts like a
+        dense MLP, their gate's sigmoid and the output it scales."""
         declared = super().activation_elements_per_token()
         if declared is None:
             return None
         spec = self.moe_spec()
         k, h, i = spec.top_k, spec.hidden_size, spec.intermediate_size
-        declared["moe_mlp"] = 2 * spec.num_experts + 2 * k * h + 4 * k * i
+        per_slot = 4 * i if spec.swiglu_limit is None else 7 * i
+        declared["moe_mlp"] = (
+            2 * spec.num_experts + 2 * k * h + k * per_slot + (h + 1 if spec.shared_expert_gate else 0)
+        )
         declared["moe_mlp_sharded"] = 4 * spec.shared_intermediate_size
         return declared
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """The decoder's rules, plus: experts normal(0, std) (down_proj scaled like the dense one's),
-        router bias 0. Expert tensors are drawn whole ([E, ...]); the engine slices them for expert
-        parallelism."""
-        if name.endswith("e_score_correction_bias"):
+        router biases and expert biases 0. Expert tensors are drawn whole ([E, ...]); the engine slices
+        them for expert parallelism."""
+        if name.endswith(("e_score_correction_bias", *EXPERT_BIAS_PARAMETERS)):
             tensor.data.zero_()
             return
         if not name.endswith(EXPERT_PARAMETERS):
@@ -360,3 +455,62 @@ class MoEDecoderLM(DecoderLM):
         if self.scale_output_init and name.endswith("down_proj"):
             std /= math.sqrt(2 * self.config.num_hidden_layers)
         init_normal(tensor, std, generator)
+
+
+# -- gpt-oss's expert layout ---------------------------------------------------------------------
+# transformers' GptOssExperts computes x @ W (not x W^T) and interleaves the gate and up columns:
+#   gate_up_proj [E, H, 2I] (column 2j: gate j, 2j + 1: up j), gate_up_proj_bias [E, 2I] (the same),
+#   down_proj [E, I, H], down_proj_bias [E, H] (as nanocore's).
+# nanocore: gate_up_proj [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), gate_up_proj_bias [E, 2I] (gate
+# half first), down_proj [E, H, I]. Only values move, so both directions are bit-exact. Names are
+# left alone (the HF mapping renames `router.` to `gate.`); the original openai checkpoints store
+# MXFP4 blocks and scales, which must be dequantised to these tensors first.
+GPT_OSS_EXPERT_TENSORS = ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj")
+
+
+def _gpt_oss_expert_tensor(name: str) -> str | None:
+    """Which of `GPT_OSS_EXPERT_TENSORS` `name` is (itself or under a prefix), or None."""
+    return next((t for t in GPT_OSS_EXPERT_TENSORS if name == t or name.endswith("." + t)), None)
+
+
+def _interleave(fused: torch.Tensor) -> torch.Tensor:
+    """Last axis (gate half, up half) -> (gate 0, up 0, gate 1, up 1, ...)."""
+    gate, up = fused.chunk(2, dim=-1)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
+def _deinterleave(mixed: torch.Tensor) -> torch.Tensor:
+    """Last axis (gate 0, up 0, gate 1, up 1, ...) -> (gate half, up half)."""
+    return torch.cat([mixed[..., 0::2], mixed[..., 1::2]], dim=-1)
+
+
+def _gpt_oss_convert(state: Mapping[str, torch.Tensor], to_hf: bool) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        kind = _gpt_oss_expert_tensor(name)
+        want = 2 if kind == "experts.gate_up_proj_bias" else 3
+        if kind is not None and tensor.dim() != want:
+            raise ValueError(f"{name}: expected {want} dimensions (experts first), got shape {tuple(tensor.shape)}")
+        fused = -1 if kind != "experts.gate_up_proj" else (1 if to_hf else -1)
+        if kind is not None and kind != "experts.down_proj" and tensor.shape[fused] % 2:
+            raise ValueError(f"{name}: the fused gate/up axis has an odd length, shape {tuple(tensor.shape)}")
+        if kind == "experts.down_proj":  # [E, I, H] <-> [E, H, I]
+            tensor = tensor.transpose(1, 2)
+        elif kind == "experts.gate_up_proj":  # HF [E, H, 2I] interleaved <-> nanocore [E, 2I, H] gate half first
+            tensor = _interleave(tensor.transpose(1, 2)) if to_hf else _deinterleave(tensor).transpose(1, 2)
+        elif kind == "experts.gate_up_proj_bias":  # [E, 2I], interleaved <-> gate half first
+            tensor = _interleave(tensor) if to_hf else _deinterleave(tensor)
+        out[name] = tensor.contiguous() if kind is not None else tensor
+    return out
+
+
+def gpt_oss_experts_from_hf(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' gpt-oss expert tensors -> nanocore's layout (see above), for every name ending in
+    one of `GPT_OSS_EXPERT_TENSORS` (one layer's `mlp.` state or a whole model's); other tensors, the
+    down-projection bias among them, pass through unchanged."""
+    return _gpt_oss_convert(state, to_hf=False)
+
+
+def gpt_oss_experts_to_hf(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `gpt_oss_experts_from_hf`: nanocore's expert tensors -> transformers' gpt-oss layout."""
+    return _gpt_oss_convert(state, to_hf=True)

@@ -3,6 +3,7 @@ transformers' names, and their checks. A model type's config class extends `Deco
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -63,6 +64,12 @@ class DecoderConfig:
         """head_dim, with null meaning hidden_size / num_attention_heads."""
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
+    def attention_window(self, layer_idx: int) -> int | None:
+        """Layer `layer_idx`'s sliding window (a query sees itself and the window - 1 keys before it, as
+        transformers' `sliding_window` means it), or None for full causal attention: every layer here;
+        a config with `layer_types` says per layer (`layer_windows`)."""
+        return None
+
     @property
     def rope_type(self) -> str:
         return rope_type(self.rope_scaling)
@@ -108,3 +115,26 @@ class DecoderConfig:
     def check(self, config: Any) -> list[str]:
         """Cross-field checks against the whole run config (see nanocore.config.checks)."""
         return self.problems(tp=config.parallelism.tp)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_windows(layer_types: Sequence[str], sliding_window: int | None) -> list[int | None]:
+    """transformers' `layer_types` -> each layer's window (None for a full layer)."""
+    return [sliding_window if t == "sliding_attention" else None for t in layer_types]
+
+
+def layer_type_problems(layer_types: Sequence[str] | None, num_layers: int, sliding_window: int | None) -> list[str]:
+    """What is wrong with a `layer_types` list and the `sliding_window` its sliding layers use."""
+    if layer_types is None:
+        return []
+    p: list[str] = []
+    if len(layer_types) != num_layers:
+        p.append(f"layer_types: {len(layer_types)} entries for num_hidden_layers = {num_layers}; give one per layer")
+    unknown = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if unknown:
+        p.append(f"layer_types: unknown {unknown}; each entry is one of {', '.join(LAYER_TYPES)}")
+    if "sliding_attention" in layer_types and (sliding_window is None or sliding_window < 1):
+        p.append(f"sliding_window: sliding_attention layers need a window of at least 1 token, got {sliding_window}")
+    return p

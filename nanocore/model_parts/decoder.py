@@ -10,7 +10,7 @@ follow. It satisfies `nanocore.model_api.CausalLM` as it stands.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -64,6 +64,24 @@ class DecoderLayer(nn.Module):
         return out
 
 
+class PostNormDecoderLayer(nn.Module):
+    """OLMo 2 and 3's block: each sub-block's output is normed before it joins the residual stream,
+    x + norm(attn(x)), then + norm(mlp(.)) (`post_attention_layernorm`, `post_feedforward_layernorm`;
+    no input norm)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, norm: Callable[[], nn.Module]):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.post_attention_layernorm = norm()
+        self.post_feedforward_layernorm = norm()
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(x, kv_cache))
+        out: torch.Tensor = x + self.post_feedforward_layernorm(self.mlp(x))
+        return out
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm (transformers' `model.` prefix)."""
 
@@ -94,9 +112,7 @@ class DecoderLM(TiedWeightsMixin, nn.Module):
         rotary = Rotary(config.head_size, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
         sequence = SequenceSlot()
         layers = [
-            DecoderLayer(
-                self.make_attention(i, rotary, sequence), self.make_mlp(i), config.hidden_size, config.rms_norm_eps
-            )
+            self.make_layer(i, self.make_attention(i, rotary, sequence), self.make_mlp(i))
             for i in range(config.num_hidden_layers)
         ]
         self.model = DecoderModel(
@@ -130,8 +146,14 @@ class DecoderLM(TiedWeightsMixin, nn.Module):
         self._matmul_params = count_matmul_parameters(self, ["model.embed_tokens.weight"], self.active_fraction)
 
     # -- what a model type changes -------------------------------------------------------------
+    def make_layer(self, layer_idx: int, self_attn: nn.Module, mlp: nn.Module) -> nn.Module:
+        """Layer `layer_idx` around its attention and MLP: the pre-norm `DecoderLayer` here; OLMo 2 and 3
+        put their norms after each block instead (`PostNormDecoderLayer`)."""
+        return DecoderLayer(self_attn, mlp, self.config.hidden_size, self.config.rms_norm_eps)
+
     def make_attention(self, layer_idx: int, rotary: Rotary, sequence: SequenceSlot) -> nn.Module:
-        """Layer `layer_idx`'s attention (called while `__init__` builds the layers; `self.config` is set)."""
+        """Layer `layer_idx`'s attention (called while `__init__` builds the layers; `self.config` is set),
+        with the sliding window the config gives the layer (`DecoderConfig.attention_window`)."""
         c = self.config
         return GroupedQueryAttention(
             c.hidden_size,
@@ -143,6 +165,7 @@ class DecoderLM(TiedWeightsMixin, nn.Module):
             rotary=rotary,
             sequence=sequence,
             qk_norm_eps=c.rms_norm_eps if self.qk_norm else None,
+            window=c.attention_window(layer_idx),
         )
 
     def attention_tp_plan(self, prefix: str) -> dict[str, TPStyle]:
@@ -242,8 +265,13 @@ class DecoderLM(TiedWeightsMixin, nn.Module):
         }
 
     def flops_per_token(self, sequence_length: int) -> float:
-        """Training FLOPs per token (nanoGPT / PaLM estimate): 6N + 12 * layers * attention width * seq."""
+        """Training FLOPs per token (nanoGPT / PaLM estimate): 6N + 12 * attention width * the keys each
+        layer reads, seq for a full layer and min(seq, window) for a sliding-window one."""
         c = self.config
-        return (
-            6 * self._matmul_params + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_size * sequence_length
-        )
+        spans = sum(self.attention_span(i, sequence_length) for i in range(c.num_hidden_layers))
+        return 6 * self._matmul_params + 12 * c.num_attention_heads * c.head_size * spans
+
+    def attention_span(self, layer_idx: int, sequence_length: int) -> int:
+        """The keys layer `layer_idx`'s attention term counts per query: the sequence, or its window."""
+        window = self.config.attention_window(layer_idx)
+        return sequence_length if window is None else min(sequence_length, window)

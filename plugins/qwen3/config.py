@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from nanocore.config.schema import doc
-from nanocore.model_parts.config import DecoderConfig
+from nanocore.model_parts.config import DecoderConfig, layer_type_problems, layer_windows
 from nanocore.model_parts.moe import MoESpec, expert_problems
 
 
@@ -19,19 +19,48 @@ class Qwen3Config(DecoderConfig):
     and a head size of its own (`head_dim`)."""
 
     use_sliding_window: bool = doc(
-        "transformers compatibility; sliding-window attention is not supported: only false.", default=False
+        "Sliding-window attention on the layers layer_types marks sliding_attention (by default, Qwen3's "
+        "layers from max_window_layers on; every layer of Qwen3-MoE).",
+        default=False,
     )
     sliding_window: int | None = doc(
-        "transformers compatibility; unused while use_sliding_window is false.", default=None
+        "Tokens a sliding layer's query sees, itself included; unused while use_sliding_window is false.",
+        default=None,
     )
-    max_window_layers: int = doc("transformers compatibility; unused while use_sliding_window is false.", default=28)
+    max_window_layers: int = doc(
+        "Qwen3: layers before this one stay full when use_sliding_window is on (transformers' default pattern).",
+        default=28,
+    )
+    layer_types: list[str] | None = doc(
+        "Each layer's attention, sliding_attention or full_attention, read while use_sliding_window is on; "
+        "null: transformers' pattern (see use_sliding_window).",
+        default=None,
+    )
     attention_dropout: float = doc("transformers compatibility; only 0 (nanocore has no dropout).", default=0.0)
+
+    @property
+    def attention_layer_types(self) -> list[str]:
+        """`layer_types`, with null meaning transformers' Qwen3 pattern."""
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        sliding = self.use_sliding_window and self.sliding_window is not None
+        return [
+            "sliding_attention" if sliding and i >= self.max_window_layers else "full_attention"
+            for i in range(self.num_hidden_layers)
+        ]
+
+    def attention_window(self, layer_idx: int) -> int | None:
+        if not self.use_sliding_window:  # transformers drops the window then, whatever layer_types says
+            return None
+        return layer_windows(self.attention_layer_types, self.sliding_window)[layer_idx]
 
     def problems(self, tp: int = 1) -> list[str]:
         """Problems with this config (as 'field: message') for a tensor-parallel size of `tp`."""
         p = super().problems(tp=tp)
-        if self.use_sliding_window:
-            p.append("use_sliding_window: sliding-window attention is not supported; set it to false")
+        if self.use_sliding_window and self.sliding_window is None:
+            p.append("use_sliding_window: true needs sliding_window (the tokens a query sees), got null")
+        elif self.use_sliding_window:
+            p += layer_type_problems(self.attention_layer_types, self.num_hidden_layers, self.sliding_window)
         if self.attention_dropout:
             p.append(f"attention_dropout: must be 0 (nanocore has no dropout), got {self.attention_dropout}")
         return p
@@ -59,6 +88,14 @@ class Qwen3MoeConfig(Qwen3Config):
         "transformers compatibility; accepted and ignored (the auxiliary loss is on when its coefficient is).",
         default=False,
     )
+
+    @property
+    def attention_layer_types(self) -> list[str]:
+        """transformers' Qwen3-MoE windows every layer when use_sliding_window is on (no max_window_layers)."""
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        kind = "sliding_attention" if self.use_sliding_window else "full_attention"
+        return [kind] * self.num_hidden_layers
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         """transformers' rule: not listed in mlp_only_layers, experts exist, and on the sparse step."""

@@ -11,6 +11,7 @@ import logging
 import re
 from typing import Any
 
+import attrs
 import torch
 
 from nanocore.errors import ConfigError
@@ -75,6 +76,8 @@ def _to_hf(config: Qwen3Config, model_type: str, architectures: list[str], same_
     if problems:
         raise ConfigError([f"model.model_config.{p}" for p in problems])
     hf_config = hf_config_fields(config, model_type, architectures, same_fields)
+    if config.layer_types is not None:
+        hf_config["layer_types"] = list(config.layer_types)
     hf_state = {name: t for name, t in state.items() if not (name == HEAD and config.tie_word_embeddings)}
     return hf_config, hf_state
 
@@ -96,11 +99,19 @@ def to_hf_moe(config: Qwen3MoeConfig, state: dict[str, torch.Tensor]) -> tuple[d
 def _read(hf_config: dict[str, Any], defaults: dict[str, Any], same_fields: list[str]) -> dict[str, Any]:
     nullable = ("bos_token_id", "eos_token_id", "sliding_window", "pad_token_id", "head_dim")
     c = {**defaults, **{k: v for k, v in hf_config.items() if v is not None or k in nullable}}
-    if c.get("layer_types") and any(t != "full_attention" for t in c["layer_types"]) and c.get("use_sliding_window"):
-        raise ConfigError("config.json: use_sliding_window: sliding-window layers are not supported by nanocore")
     fields = read_decoder_fields(c, same_fields)
     fields["head_dim"] = c.get("head_dim")
+    fields["layer_types"] = c.get("layer_types")
     return fields
+
+
+def _default_layer_types(config: Qwen3Config) -> Qwen3Config:
+    """transformers writes `layer_types` out even where it is its default pattern: kept null then, so
+    that the config reads as a user would write it."""
+    if config.layer_types is None:
+        return config
+    default = attrs.evolve(config, layer_types=None)
+    return default if default.attention_layer_types == config.attention_layer_types else config
 
 
 def _state(hf_state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
@@ -114,7 +125,7 @@ def from_hf(
     hf_config: dict[str, Any], hf_state: dict[str, torch.Tensor]
 ) -> tuple[Qwen3Config, dict[str, torch.Tensor]]:
     """transformers config.json + state dict -> `Qwen3Config` + the tensors `named_parameters()` lists."""
-    config = Qwen3Config(**_read(hf_config, HF_DEFAULTS, SAME_FIELDS))
+    config = _default_layer_types(Qwen3Config(**_read(hf_config, HF_DEFAULTS, SAME_FIELDS)))
     problems = config.problems()
     if problems:
         raise ConfigError([f"config.json: {p}" for p in problems])
@@ -130,7 +141,7 @@ def from_hf_moe(
     fields = _read(hf_config, MOE_HF_DEFAULTS, MOE_SAME_FIELDS)
     fields["mlp_only_layers"] = list(fields["mlp_only_layers"] or [])
     fields[Z_LOSS_KEY] = float(hf_config.get(Z_LOSS_KEY) or 0.0)
-    config = Qwen3MoeConfig(**fields)
+    config = _default_layer_types(Qwen3MoeConfig(**fields))
     problems = config.problems()
     if problems:
         raise ConfigError([f"config.json: {p}" for p in problems])

@@ -3,6 +3,7 @@ weights, the KV cache, the TP plan's head norms, and config errors."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 import transformers
@@ -146,3 +147,44 @@ def test_check_accepts_valid_layouts():
     assert check() == []
     assert check(tp=2, ep=2, moe=True) == []
     assert check(tp=4) == []  # 2 kv heads replicated over 4 ranks
+
+
+SLIDING = {
+    "qwen3-windows-from-layer-1": tiny(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    "qwen3-layer-types": tiny(
+        use_sliding_window=True, sliding_window=3, layer_types=["sliding_attention", "full_attention"]
+    ),
+    "moe-every-layer-windowed": tiny_moe(use_sliding_window=True, sliding_window=5),
+}
+
+
+@pytest.mark.parametrize("case", list(SLIDING))
+def test_sliding_window_logits_match_transformers(case):
+    config = SLIDING[case]
+    extra = {"layer_types": config.layer_types} if config.layer_types else {}
+    reference = hf_model(
+        config,
+        use_sliding_window=True,
+        sliding_window=config.sliding_window,
+        **({"max_window_layers": config.max_window_layers} if not isinstance(config, Qwen3MoeConfig) else {}),
+        **extra,
+    )
+    ours = make(config)
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    assert any(layer.self_attn.window for layer in ours.model.layers)
+    assert_same_logits(ours, reference, ids())  # 24 tokens, windows of 3 and 5
+    full = make(attrs.evolve(config, use_sliding_window=False))
+    full.load_state_dict(reference.state_dict())
+    with torch.no_grad():  # the windows are what makes them match
+        assert rel_diff(full(ids()), reference(ids()).logits) > 1e-3
+
+
+def test_sliding_window_config_json_round_trips():
+    from nanocore_plugins.qwen3 import hf
+
+    config = SLIDING["qwen3-windows-from-layer-1"]
+    hf_config, state = hf.to_hf(config, dict(make(config).state_dict()))
+    saved = transformers.Qwen3Config(**{k: v for k, v in hf_config.items() if k != "architectures"}).to_dict()
+    assert saved["layer_types"] == ["full_attention", "sliding_attention"]
+    back, _ = hf.from_hf(saved, state)
+    assert back == config

@@ -34,6 +34,18 @@ class RMSNorm(nn.Module):
         return out
 
 
+class ScaleInFloat32RMSNorm(RMSNorm):
+    """RMSNorm as OLMo and gpt-oss compute it: the weight multiplies the float32 normalised input, then
+    the product is cast back (`RMSNorm` casts first, then multiplies; the two agree in float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        out: torch.Tensor = (self.weight * x).to(dtype)
+        return out
+
+
 class GatedMLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)) (SwiGLU with silu); transformers' names."""
 

@@ -8,31 +8,14 @@ renaming (`model.layers.N.self_attn.q_norm.weight` is [heads * head_dim], and ea
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from nanocore.model_api import TPStyle
 from nanocore.model_parts.attention import GroupedQueryAttention, SequenceSlot
 from nanocore.model_parts.decoder import DecoderLM, PostNormDecoderLayer
+from nanocore.model_parts.layers import ScaleInFloat32RMSNorm
 from nanocore.model_parts.rotary import Rotary
 from nanocore_plugins.olmo3.config import Olmo3Config
-
-
-class Olmo3RMSNorm(nn.Module):
-    """RMSNorm as OLMo computes it: the weight multiplies the float32 normalised input, then the
-    product is cast back (LLaMA's casts first, then multiplies; the two agree in float32)."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        out: torch.Tensor = (self.weight * x).to(dtype)
-        return out
 
 
 class Olmo3ForCausalLM(DecoderLM):
@@ -43,11 +26,11 @@ class Olmo3ForCausalLM(DecoderLM):
 
     def __init__(self, config: Olmo3Config, **kwargs):
         super().__init__(config, **kwargs)
-        self.model.norm = Olmo3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model.norm = ScaleInFloat32RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def make_layer(self, layer_idx: int, self_attn: nn.Module, mlp: nn.Module) -> nn.Module:
         c = self.config
-        return PostNormDecoderLayer(self_attn, mlp, lambda: Olmo3RMSNorm(c.hidden_size, c.rms_norm_eps))
+        return PostNormDecoderLayer(self_attn, mlp, lambda: ScaleInFloat32RMSNorm(c.hidden_size, c.rms_norm_eps))
 
     def make_attention(self, layer_idx: int, rotary: Rotary, sequence: SequenceSlot) -> nn.Module:
         c = self.config
@@ -67,7 +50,7 @@ class Olmo3ForCausalLM(DecoderLM):
             sequence=sequence,
             qk_norm_eps=c.rms_norm_eps,
             qk_norm_width="all",
-            norm_class=Olmo3RMSNorm,
+            norm_class=ScaleInFloat32RMSNorm,
             window=c.attention_window(layer_idx),
         )
 

@@ -51,12 +51,14 @@ def build_decoder(cls: type[D], model_args: ModelArgs, vocab_multiple: int = 1) 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). One pipeline block; one tensor in, one out."""
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
+    def __init__(
+        self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, norm_class: type[nn.Module] = RMSNorm
+    ):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = norm_class(hidden_size, eps)
+        self.post_attention_layernorm = norm_class(hidden_size, eps)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), kv_cache)

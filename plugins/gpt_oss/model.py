@@ -35,10 +35,7 @@ class GptOssForCausalLM(MoEDecoderLM):
 
     def make_layer(self, layer_idx: int, self_attn: nn.Module, mlp: nn.Module) -> nn.Module:
         c = self.config
-        layer = DecoderLayer(self_attn, mlp, c.hidden_size, c.rms_norm_eps)
-        layer.input_layernorm = ScaleInFloat32RMSNorm(c.hidden_size, c.rms_norm_eps)
-        layer.post_attention_layernorm = ScaleInFloat32RMSNorm(c.hidden_size, c.rms_norm_eps)
-        return layer
+        return DecoderLayer(self_attn, mlp, c.hidden_size, c.rms_norm_eps, norm_class=ScaleInFloat32RMSNorm)
 
     def make_attention(self, layer_idx: int, rotary: Rotary, sequence: SequenceSlot) -> nn.Module:
         c = self.config
